@@ -1,0 +1,17 @@
+"""spardl-grace: sparse, compressed gradient synchronisation for PyTorch behind the GRACE API.
+
+    from spardl_grace import grace_from_params
+    grc = grace_from_params({'compressor': 'topk', 'memory': 'global_residual',
+                             'communicator': 'spardl', 'compress_ratio': 0.01})
+    p.grad = grc.step(p.grad, name)
+"""
+from .api import Communicator, Compressor, Memory, SparseAllreduce
+from .payload import IdentityCodec, PayloadCodec
+from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, grace_from_params, resolve_params
+from .transport import CountingTransport, Transport, TransportError, TransportTimeout, run_local
+
+__version__ = "0.1.0"
+__all__ = ["Compressor", "Memory", "Communicator", "SparseAllreduce", "PayloadCodec",
+           "IdentityCodec", "grace_from_params", "resolve_params", "COMPRESSORS", "MEMORIES",
+           "COMMUNICATORS", "Transport", "TransportError", "TransportTimeout", "CountingTransport",
+           "run_local"]

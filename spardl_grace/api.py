@@ -1,0 +1,185 @@
+"""The GRACE abstractions (same signatures as GRACE, so GRACE users' code runs unchanged).
+
+    tensors, ctx = compressor.compress(tensor, name)
+    tensor = compressor.decompress(tensors, ctx)
+    tensor = compressor.aggregate(list_of_tensors)
+    tensor = memory.compensate(tensor, name)
+    memory.update(tensor, name, compressor, tensors, ctx)
+    averaged = communicator.step(tensor, name)                  # GRACE dist style
+    handles, ctx = communicator.send_step(tensor, name)         # GRACE Horovod style
+    averaged = communicator.receive_step(handles, ctx)
+
+Two families of communicators share this interface:
+  * GRACE communicators (allreduce, allgather, broadcast) compress, update the memory from the
+    compressed tensor *before* communication, then exchange compressed tensors;
+  * sparse all-reduces (spardl, topka, gtopk, ...) select *during* communication, so the
+    residual is known only afterwards: they hand the memory what was finally applied
+    (Memory.store_residual).
+
+state_dict() of every part holds only tensors and plain Python values, so it loads with
+torch.load(weights_only=True).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import torch
+
+from .transport import Transport
+
+
+class Compressor(ABC):
+    """Turns a tensor into a list of tensors to send (plus a local context) and back.
+
+    `average`: whether the communicator divides the aggregate by the number of workers.
+    `tensors_size_are_same`: whether every worker's compressed tensors have the same shapes
+    (needed by all-reduce; all-gather handles either)."""
+
+    def __init__(self, average: bool = True, tensors_size_are_same: bool = True):
+        self.average = average
+        self.tensors_size_are_same = tensors_size_are_same
+        self.transport: Transport | None = None
+        self._steps: dict[str, int] = {}
+
+    def bind(self, transport: Transport) -> None:
+        """Give the compressor the transport (for compressors that communicate or need the rank)."""
+        self.transport = transport
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank if self.transport is not None else 0
+
+    def next_step(self, name: str) -> int:
+        """The per-name step counter (0 on the first call for `name`), then advance it."""
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        return step
+
+    @abstractmethod
+    def compress(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], Any]:
+        """Return (tensors to send, local context for decompress)."""
+
+    @abstractmethod
+    def decompress(self, tensors: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
+        """Rebuild a dense tensor of the original shape from compressed tensors."""
+
+    def aggregate(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Combine decompressed tensors from every worker (default: sum)."""
+        total = tensors[0].clone()
+        for t in tensors[1:]:
+            total += t
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": dict(self._steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._steps = dict(state.get("steps", {}))
+
+
+class Memory(ABC):
+    """Error feedback: what was not sent in one step is added back in the next."""
+
+    def __init__(self) -> None:
+        self.transport: Transport | None = None
+
+    def bind(self, transport: Transport) -> None:
+        self.transport = transport
+
+    @abstractmethod
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Return the tensor to compress: the gradient plus what is remembered for `name`."""
+
+    def update(self, tensor: torch.Tensor, name: str, compressor: Compressor,
+               tensor_compressed: Sequence[torch.Tensor], ctx: Any) -> None:
+        """Remember what compression dropped (GRACE communicators, before communication)."""
+
+    def store_residual(self, name: str, residual: torch.Tensor) -> None:
+        """Remember `residual` for `name` (sparse all-reduces, after communication)."""
+        raise ValueError(f"{type(self).__name__} cannot hold the residual of a sparse all-reduce; "
+                         "use memory 'global_residual', 'residual' or 'none'")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Communicator(ABC):
+    """Runs one synchronisation step: compensate, compress, exchange, decompress, average."""
+
+    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport):
+        self.compressor = compressor
+        self.memory = memory
+        self.transport = transport
+        self.world_size = transport.size
+        compressor.bind(transport)
+        memory.bind(transport)
+        self.last_stats: dict[str, float] = {}
+
+    def step(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Return the synchronised (averaged unless the compressor says otherwise) tensor,
+        bit-identical on every rank, with the shape of `tensor`."""
+        handles, ctx = self.send_step(tensor, name)
+        return self.receive_step(handles, ctx)
+
+    def send_step(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
+        compensated = self.memory.compensate(tensor, name)
+        tensors, ctx = self.compressor.compress(compensated, name)
+        self.memory.update(compensated, name, self.compressor, tensors, ctx)
+        return self.send_receive(tensors, name, ctx), ctx
+
+    def receive_step(self, handles: Any, ctx: Any) -> torch.Tensor:
+        return handles
+
+    @abstractmethod
+    def send_receive(self, tensors: list[torch.Tensor], name: str, ctx: Any) -> torch.Tensor:
+        """Exchange compressed tensors and return the aggregated dense result."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict(),
+                "communicator": self._own_state(), "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("world_size", self.world_size) != self.world_size:
+            raise ValueError(f"checkpoint was written by {state['world_size']} workers, this run "
+                             f"has {self.world_size}: residuals and schedules do not carry over")
+        self.compressor.load_state_dict(state.get("compressor", {}))
+        self.memory.load_state_dict(state.get("memory", {}))
+        self._load_own_state(state.get("communicator", {}))
+
+    def _own_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class SparseAllreduce(Communicator):
+    """Base of the sparse all-reduces: the residual is decided by communication.
+
+    Subclasses implement reduce(compensated_flat, name) -> (result_flat, residual_flat), where
+    result is the average applied by every worker and residual is what this worker keeps. The
+    invariant they promise (conservation) is
+        sum_w compensated_w == P * result + sum_w residual_w      (up to float rounding)."""
+
+    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport, density: float):
+        super().__init__(compressor, memory, transport)
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density (compress_ratio) must be in (0, 1], got {density}")
+        self.density = float(density)
+
+    def send_step(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
+        compensated = self.memory.compensate(tensor, name)
+        result, residual = self.reduce(compensated.reshape(-1), name)
+        self.memory.store_residual(name, residual.view(tensor.shape))
+        return result.view(tensor.shape), None
+
+    def send_receive(self, tensors, name, ctx):  # pragma: no cover - sparse all-reduces use reduce
+        raise NotImplementedError("sparse all-reduces communicate in reduce()")
+
+    @abstractmethod
+    def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Synchronise a flat compensated tensor; return (averaged result, new residual)."""

@@ -1,0 +1,54 @@
+"""GRACE's communicators: allreduce, allgather and broadcast of compressed tensors."""
+from __future__ import annotations
+
+import torch
+
+from ..api import Communicator
+
+
+class Allreduce(Communicator):
+    """Sums each compressed tensor over workers (valid only for compressors whose compressed
+    form is linear and identical in shape everywhere: none, fp16, randomk, powersgd)."""
+
+    def send_receive(self, tensors, name, ctx):
+        reduced = []
+        for i, t in enumerate(tensors):
+            total = self.transport.allreduce(t, f"allreduce.{name}.{i}")
+            reduced.append(total / self.world_size if self.compressor.average else total)
+        return self.compressor.decompress(reduced, ctx)
+
+
+class Allgather(Communicator):
+    """Gathers every worker's compressed tensors (sizes may differ), decompresses each with the
+    local context, aggregates and averages."""
+
+    def send_receive(self, tensors, name, ctx):
+        gathered = [self.transport.allgather(t.reshape(-1), f"allgather.{name}.{i}")
+                    for i, t in enumerate(tensors)]
+        if self.compressor.tensors_size_are_same:
+            gathered = [[g.view(t.shape) for g in per_rank] for t, per_rank in zip(tensors, gathered)]
+        return self._combine(list(zip(*gathered)), ctx)
+
+    def _combine(self, per_worker, ctx):
+        decompressed = [self.compressor.decompress(list(ts), ctx) for ts in per_worker]
+        aggregated = self.compressor.aggregate(decompressed)
+        return aggregated / self.world_size if self.compressor.average else aggregated
+
+
+class Broadcast(Allgather):
+    """Every worker in turn broadcasts its compressed tensors (sizes first when they vary)."""
+
+    def send_receive(self, tensors, name, ctx):
+        per_worker = []
+        for root in range(self.world_size):
+            received = []
+            for i, t in enumerate(tensors):
+                shape = t.shape
+                if not self.compressor.tensors_size_are_same:
+                    n = torch.tensor([t.numel()], dtype=torch.int64)
+                    n = int(self.transport.broadcast(n, root, f"broadcast.{name}.{root}.{i}.n"))
+                    shape = (n,)
+                buf = t.reshape(shape) if root == self.transport.rank else t.new_empty(shape)
+                received.append(self.transport.broadcast(buf, root, f"broadcast.{name}.{root}.{i}"))
+            per_worker.append(received)
+        return self._combine(per_worker, ctx)

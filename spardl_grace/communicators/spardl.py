@@ -1,0 +1,208 @@
+"""SparDL (Zhao et al., arXiv 2304.00737): Spar-Reduce-Scatter, Global Residual Collection and
+Spar-All-Gather with d teams.
+
+Layout. The flat compensated gradient A (n entries; the integrations fuse all layers into one
+buffer) is zero-padded to m*B with m = P/d workers per team and B = ceil(n/m), and viewed as m
+blocks of B; in-team rank q owns block q. Per-block budget k_b = max(1, floor(B*rho)).
+Team t holds ranks t*m .. t*m+m-1; the d ranks with the same in-team rank q (one per team)
+form block q's cross-team group.
+
+1. Spar-Reduce-Scatter (SRS) inside each team, any m: m-1 sequential messages per worker,
+   each carrying exactly k_b entries (block-relative int32 indices) of one block, chosen as
+   the top-k_b by magnitude of everything the worker holds for that block at that moment.
+2. With d > 1, cross-team exchange: each block owner sends the top-h entries of its team sum
+   through a Bruck all-gather in its group (ceil(log2 d) messages); every member sums the d
+   pieces in team order (so all compute identical bits) and keeps the top-k_b of the union.
+   h adapts between ceil(k_b/d) and k_b so that the union holds about k_b entries.
+3. Spar-All-Gather: a Bruck all-gather inside the team gives every worker the final entries
+   of every block; the result is their values / P.
+
+Global Residual Collection. Each worker keeps A and its working copy D (per block: what it
+held when it selected from the block, minus what it sent; for forwarded blocks this includes
+partial sums received from others). With S_b the final selected set of block b, the new
+residual is D at S_b and A elsewhere. Hence, for every P and d, exactly up to float rounding,
+    sum_w A_w == P * result + sum_w residual_w,
+and with rho = 1 the result is the dense average with zero residuals. Lossy payload codecs
+keep the same promise: senders subtract what the receiver decodes, and the one difference
+the cross-team stage can introduce is kept by the block owner of team 0.
+
+Cost per worker (alpha-beta): (m - 1 + ceil(log2 d) + ceil(log2 m)) messages and about
+4k(P-d)/P + 2h(d-1) words (k = rho*n): d = 1 minimises words, larger d trades words for
+fewer sequential messages (latency).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..api import Compressor, Memory, SparseAllreduce
+from ..payload import IdentityCodec, PayloadCodec
+from ..transport import Transport
+from ._sparse_collectives import StepStats, bruck_allgather
+from .schedules import srs_schedule
+
+H_GAIN = 0.5  # weight of the new estimate in the adaptive-h update (the rest is inertia)
+
+
+def _topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    if k >= values.numel():
+        return torch.arange(values.numel(), device=values.device)
+    return torch.topk(values.abs(), k, sorted=False).indices
+
+
+class SparDL(SparseAllreduce):
+    """The 'spardl' communicator. Use with memory 'global_residual' (or 'none' to drop residuals).
+
+    density: rho in (0, 1]; teams: d, a divisor of the number of workers (1 disables the
+    cross-team stage, P makes SparDL an all-gather of per-block top-k); codec: how sparse
+    messages are coded (identity by default; DeepReduce codecs plug in here)."""
+
+    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
+                 density: float, teams: int = 1, codec: PayloadCodec | None = None):
+        super().__init__(compressor, memory, transport, density)
+        if not isinstance(teams, int) or teams < 1 or transport.size % teams:
+            divisors = [d for d in range(1, transport.size + 1) if transport.size % d == 0]
+            raise ValueError(f"teams must divide the number of workers ({transport.size}): "
+                             f"choose one of {divisors}, got {teams!r}")
+        self.teams = teams
+        self.team_size = transport.size // teams
+        self.team, self.q = divmod(transport.rank, self.team_size)
+        self.codec = codec or IdentityCodec()
+        self._h: dict[str, int] = {}
+        self._steps: dict[str, int] = {}
+
+    def block_layout(self, numel: int) -> tuple[int, int]:
+        """(B, k_b): block length and per-block budget for a tensor of `numel` entries."""
+        block = math.ceil(numel / self.team_size)
+        return block, (min(block, max(1, math.floor(block * self.density))) if block else 0)
+
+    def h_for(self, name: str, numel: int) -> int:
+        """Entries each block owner contributes to the cross-team exchange for `name`."""
+        block, kb = self.block_layout(numel)
+        if kb >= block:
+            return block
+        return self._h.get(name, math.ceil(kb / self.teams))
+
+    def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        stats = StepStats()
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        n = tensor.numel()
+        block, kb = self.block_layout(n)
+        m = self.team_size
+        if n == 0:
+            self.last_stats = stats.as_dict()
+            return tensor.clone(), tensor.clone()
+
+        original = torch.zeros(m * block, dtype=tensor.dtype, device=tensor.device)
+        original[:n] = tensor
+        working = original.clone()
+        blocks = working.view(m, block)
+        team_ranks = [self.team * m + j for j in range(m)]
+        key = f"{name}.{step}"
+
+        self._spar_reduce_scatter(blocks, kb, team_ranks, key, stats)
+        final = self._select_final(blocks[self.q], name, n, kb, key, stats)
+        pieces = bruck_allgather(self.transport, final, team_ranks, self.q, f"sag.{key}",
+                                 stats, "sag")
+
+        result = torch.zeros_like(original)
+        selected = []
+        for j, data in enumerate(pieces):
+            with stats.timer("coding_s"):
+                idx, vals = self.codec.decode(data, block, tensor.dtype, tensor.device,
+                                              f"{key}.final.{j}")
+            result[j * block + idx] = vals
+            selected.append(j * block + idx)
+        result /= self.transport.size
+        positions = torch.cat(selected)
+        residual = original
+        residual[positions] = working[positions]
+        self.last_stats = stats.as_dict()
+        return result[:n], residual[:n]
+
+    def _spar_reduce_scatter(self, blocks: torch.Tensor, kb: int, team_ranks: list[int],
+                             key: str, stats: StepStats) -> None:
+        m, block = blocks.shape
+        for i, rnd in enumerate(srs_schedule(m)):
+            dst = team_ranks[(self.q + rnd.distance) % m]
+            src = team_ranks[(self.q - rnd.distance) % m]
+            for b in range(rnd.blocks):
+                out_block = (self.q + rnd.distance + b) % m
+                in_block = (self.q + b) % m
+                with stats.timer("selection_s"):
+                    chosen = _topk_indices(blocks[out_block], kb)
+                with stats.timer("coding_s"):
+                    enc = self.codec.encode(blocks[out_block], chosen, f"{key}.srs.{out_block}")
+                blocks[out_block][enc.indices] -= enc.values
+                stats.add_bytes("srs", enc.data.numel())
+                stats.entries["srs"] += enc.indices.numel()
+                with stats.timer("comm_s"):
+                    got = self.transport.sendrecv(enc.data, dst, src, f"srs.{key}.{i}.{b}")
+                with stats.timer("coding_s"):
+                    idx, vals = self.codec.decode(got, block, blocks.dtype, blocks.device,
+                                                  f"{key}.srs.{in_block}")
+                blocks[in_block][idx] += vals
+
+    def _select_final(self, own: torch.Tensor, name: str, numel: int, kb: int, key: str,
+                      stats: StepStats) -> torch.Tensor:
+        """Choose this worker's block's final entries (cross-team merge when d > 1), subtract
+        them from the working copy, and return them coded for the all-gather."""
+        final_key = f"{key}.final.{self.q}"
+        if self.teams == 1:
+            with stats.timer("selection_s"):
+                chosen = _topk_indices(own, kb)
+            with stats.timer("coding_s"):
+                enc = self.codec.encode(own, chosen, final_key)
+            own[enc.indices] -= enc.values
+            stats.entries["sag"] += enc.indices.numel()
+            return enc.data
+
+        h = self.h_for(name, numel)
+        with stats.timer("selection_s"):
+            chosen = _topk_indices(own, h)
+        with stats.timer("coding_s"):
+            piece = self.codec.encode(own, chosen, f"{key}.cross.{self.q}.{self.team}")
+        own[piece.indices] -= piece.values
+        stats.entries["cross"] += piece.indices.numel()
+        group = [t * self.team_size + self.q for t in range(self.teams)]
+        coded = bruck_allgather(self.transport, piece.data, group, self.team,
+                                f"cross.{key}", stats, "cross")
+        union = torch.zeros_like(own)
+        member = torch.zeros(own.numel(), dtype=torch.bool, device=own.device)
+        for t, data in enumerate(coded):
+            with stats.timer("coding_s"):
+                idx, vals = self.codec.decode(data, own.numel(), own.dtype, own.device,
+                                              f"{key}.cross.{self.q}.{t}")
+            union[idx] += vals
+            member[idx] = True
+        with stats.timer("selection_s"):
+            candidates = torch.nonzero(member).reshape(-1)
+            self._adapt_h(name, numel, candidates.numel())
+            if candidates.numel() > kb:
+                candidates = candidates[_topk_indices(union[candidates], kb)]
+        with stats.timer("coding_s"):
+            enc = self.codec.encode(union, candidates, final_key)
+        if self.team == 0:
+            # Whatever the final coding changes is kept once, by team 0's owner.
+            own[enc.indices] += union[enc.indices] - enc.values
+        stats.entries["sag"] += enc.indices.numel()
+        return enc.data
+
+    def _adapt_h(self, name: str, numel: int, union_size: int) -> None:
+        block, kb = self.block_layout(numel)
+        if kb >= block:
+            return
+        h = self.h_for(name, numel)
+        estimate = h * kb / max(union_size, 1)
+        new_h = round((1 - H_GAIN) * h + H_GAIN * estimate)
+        self._h[name] = min(kb, max(math.ceil(kb / self.teams), new_h))
+
+    def _own_state(self) -> dict[str, Any]:
+        return {"h": dict(self._h), "steps": dict(self._steps)}
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        self._h = dict(state.get("h", {}))
+        self._steps = dict(state.get("steps", {}))

@@ -1,0 +1,27 @@
+"""'signum': signSGD on a momentum m <- (1 - momentum) g + momentum m kept per name; sends the
+sign of m as uint8, aggregates by majority vote (average=False)."""
+from ..api import Compressor
+from .signsgd import SignSGDCompressor, majority_vote
+
+
+class SignumCompressor(SignSGDCompressor):
+    def __init__(self, momentum: float):
+        super().__init__()
+        self.momentum = momentum
+        self.momentums = {}
+
+    def compress(self, tensor, name):
+        if name in self.momentums:
+            tensor = (1.0 - self.momentum) * tensor + self.momentum * self.momentums[name]
+        self.momentums[name] = tensor.detach().clone()
+        return super().compress(tensor, name)
+
+    def aggregate(self, tensors):
+        return majority_vote(tensors)
+
+    def state_dict(self):
+        return {**Compressor.state_dict(self), "momentums": dict(self.momentums)}
+
+    def load_state_dict(self, state):
+        Compressor.load_state_dict(self, state)
+        self.momentums = dict(state.get("momentums", {}))

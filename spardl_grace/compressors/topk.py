@@ -1,0 +1,15 @@
+"""'topk': sends the k = max(1, compress_ratio * numel) entries of largest magnitude as
+[values, int64 indices] (exact top-k, GRACE's wire format)."""
+from ..api import Compressor
+from ._sparse import SparseCompressorMixin, count_for_ratio, topk_abs
+
+
+class TopKCompressor(SparseCompressorMixin, Compressor):
+    def __init__(self, compress_ratio: float):
+        super().__init__()
+        self.compress_ratio = compress_ratio
+
+    def compress(self, tensor, name):
+        flat = tensor.reshape(-1)
+        indices = topk_abs(flat, count_for_ratio(flat.numel(), self.compress_ratio))
+        return [flat[indices], indices], (flat.numel(), tensor.shape)

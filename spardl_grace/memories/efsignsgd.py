@@ -1,0 +1,8 @@
+"""'efsignsgd': error feedback for EF-signSGD, A = R + lr * g, R' = A - decompress(sent)."""
+from .residual import ResidualMemory
+
+
+class EFSignSGDMemory(ResidualMemory):
+    def __init__(self, lr: float):
+        super().__init__(beta=1.0, gamma=lr)
+        self.learning_rate = lr

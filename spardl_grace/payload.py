@@ -1,0 +1,97 @@
+"""Sparse payloads on the wire: the codec interface, the identity codec, and framing.
+
+A sparse message carries entries of one block (or region) of a dense vector: block-relative
+indices and their values. A PayloadCodec turns the entries a sender selected into one uint8
+tensor and back. Because a codec may be lossy or may send positions other than the selected
+ones (a Bloom filter's false positives), `encode` reports exactly what the receiver will
+decode; senders subtract *that* from their working copy, so whatever the codec does not
+deliver stays in the sender's residual and gradient mass is conserved.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from .transport.base import as_bytes, from_bytes
+
+
+@dataclass
+class Encoded:
+    """A coded message and exactly what decoding it yields (int64 indices, values)."""
+    data: torch.Tensor
+    indices: torch.Tensor
+    values: torch.Tensor
+
+
+class PayloadCodec(ABC):
+    """Codes the entries of one block. `key` names the message identically on sender and
+    receiver (for codecs that draw shared randomness); `block_size` bounds the indices."""
+
+    name: str = "codec"
+
+    @abstractmethod
+    def encode_bytes(self, block: torch.Tensor, indices: torch.Tensor, key: str) -> torch.Tensor:
+        """The uint8 message for the entries of the 1-D `block` at int64 `indices`."""
+
+    @abstractmethod
+    def decode(self, data: torch.Tensor, block_size: int, dtype: torch.dtype,
+               device: torch.device, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 indices, values) from a message; raises ValueError on a malformed one."""
+
+    def encode(self, block: torch.Tensor, indices: torch.Tensor, key: str) -> Encoded:
+        data = self.encode_bytes(block, indices, key)
+        idx, vals = self.decode(data, block.numel(), block.dtype, block.device, key)
+        return Encoded(data, idx, vals)
+
+
+class IdentityCodec(PayloadCodec):
+    """Values in the block's dtype followed by int32 indices: (itemsize + 4) bytes per entry,
+    nothing else. Lossless, and encode reports the selected entries without decoding."""
+
+    name = "identity"
+
+    def encode_bytes(self, block, indices, key):
+        return torch.cat([as_bytes(block[indices]), as_bytes(indices.to(torch.int32))])
+
+    def decode(self, data, block_size, dtype, device, key):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if data.numel() % (itemsize + 4):
+            raise ValueError(f"identity payload of {data.numel()} bytes is not a whole number of "
+                             f"({itemsize}+4)-byte entries")
+        count = data.numel() // (itemsize + 4)
+        values = from_bytes(data[: count * itemsize], dtype).to(device)
+        indices = from_bytes(data[count * itemsize:], torch.int32).to(device=device, dtype=torch.int64)
+        if count and (int(indices.min()) < 0 or int(indices.max()) >= block_size):
+            raise ValueError(f"identity payload has indices outside the block of {block_size}")
+        return indices, values
+
+    def encode(self, block, indices, key):
+        return Encoded(self.encode_bytes(block, indices, key), indices, block[indices])
+
+
+def pack_frames(frames: list[torch.Tensor]) -> torch.Tensor:
+    """One uint8 tensor holding several uint8 messages: int32 count, int32 lengths, payloads."""
+    header = torch.tensor([len(frames)] + [f.numel() for f in frames], dtype=torch.int32)
+    device = frames[0].device if frames else torch.device("cpu")
+    return torch.cat([as_bytes(header).to(device)] + list(frames))
+
+
+def frame_overhead(n_frames: int) -> int:
+    """Bytes pack_frames adds to n_frames payloads."""
+    return 4 * (n_frames + 1)
+
+
+def unpack_frames(data: torch.Tensor) -> list[torch.Tensor]:
+    """Inverse of pack_frames; raises ValueError on a truncated or malformed message."""
+    if data.numel() < 4:
+        raise ValueError("framed message shorter than its header")
+    count = int(from_bytes(data[:4].cpu(), torch.int32)[0])
+    head = 4 * (count + 1)
+    if count < 0 or data.numel() < head:
+        raise ValueError(f"framed message of {data.numel()} bytes cannot hold {count} frame lengths")
+    lengths = from_bytes(data[4:head].cpu(), torch.int32).tolist()
+    if any(n < 0 for n in lengths) or head + sum(lengths) != data.numel():
+        raise ValueError(f"framed message lengths {lengths} do not add up to {data.numel() - head} bytes")
+    return list(torch.split(data[head:], lengths))

@@ -1,0 +1,154 @@
+"""grace_from_params: build a communicator (with its compressor and memory) from GRACE's keys.
+
+    grc = grace_from_params({'compressor': 'topk', 'memory': 'global_residual',
+                             'communicator': 'spardl', 'compress_ratio': 0.01})
+    averaged = grc.step(grad, name)
+
+Keys and defaults follow GRACE: compressor 'none', memory 'none', communicator 'allreduce',
+compress_ratio 0.01 (0.3 for dgc), threshold 0.01, quantum_num 127, momentum 0.9, lr 0.1,
+gradient_clipping False; plus world_size (checked against the transport), 'density' (alias of
+compress_ratio), 'teams' (SparDL's d, default 1), 'powersgd_rank' (default 1) and 'seed'
+(default 0, for shared random draws). Every unknown key, name or out-of-range value raises
+ValueError naming the valid choices.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from . import compressors as C
+from . import memories as M
+from .api import Communicator, Compressor, Memory
+from .communicators.grace import Allgather, Allreduce, Broadcast
+from .communicators.spardl import SparDL
+from .transport import Transport, default_transport
+
+COMPRESSORS: dict[str, Callable[[dict], Compressor]] = {
+    "none": lambda p: C.NoneCompressor(),
+    "fp16": lambda p: C.FP16Compressor(),
+    "topk": lambda p: C.TopKCompressor(p["compress_ratio"]),
+    "randomk": lambda p: C.RandomKCompressor(p["compress_ratio"], seed=p["seed"]),
+    "threshold": lambda p: C.ThresholdCompressor(p["threshold"]),
+    "dgc": lambda p: C.DgcCompressor(p["compress_ratio"], seed=p["seed"]),
+    "qsgd": lambda p: C.QSGDCompressor(p["quantum_num"], seed=p["seed"]),
+    "terngrad": lambda p: C.TernGradCompressor(seed=p["seed"]),
+    "signsgd": lambda p: C.SignSGDCompressor(),
+    "signum": lambda p: C.SignumCompressor(p["momentum"]),
+    "efsignsgd": lambda p: C.EFSignSGDCompressor(p["lr"]),
+    "onebit": lambda p: C.OneBitCompressor(),
+    "natural": lambda p: C.NaturalCompressor(seed=p["seed"]),
+    "powersgd": lambda p: C.PowerSGDCompressor(p["powersgd_rank"], seed=p["seed"]),
+}
+
+MEMORIES: dict[str, Callable[[dict], Memory]] = {
+    "none": lambda p: M.NoneMemory(),
+    "residual": lambda p: M.ResidualMemory(),
+    "global_residual": lambda p: M.GlobalResidualMemory(),
+    "dgc": lambda p: M.DgcMemory(p["momentum"], p["gradient_clipping"]),
+    "efsignsgd": lambda p: M.EFSignSGDMemory(p["lr"]),
+    "powersgd": lambda p: M.PowerSGDMemory(),
+}
+
+GRACE_COMMUNICATORS = {"allreduce": Allreduce, "allgather": Allgather, "broadcast": Broadcast}
+SPARSE_COMMUNICATORS = {"spardl": SparDL}
+COMMUNICATORS = sorted([*GRACE_COMMUNICATORS, *SPARSE_COMMUNICATORS])
+
+# Compressors whose compressed tensors may be summed element-wise (all-reduce compatible).
+LINEAR_COMPRESSORS = {"none", "fp16", "randomk", "powersgd"}
+SPARSE_INDEX_COMPRESSORS = {"topk", "threshold", "dgc"}
+SPARSE_MEMORIES = {"global_residual", "residual", "none"}
+
+DEFAULTS: dict[str, Any] = {
+    "compressor": "none", "memory": "none", "communicator": "allreduce",
+    "compress_ratio": None, "threshold": 0.01, "quantum_num": 127, "momentum": 0.9, "lr": 0.1,
+    "gradient_clipping": False, "world_size": None, "teams": 1, "powersgd_rank": 1, "seed": 0,
+}
+KNOWN_KEYS = set(DEFAULTS) | {"density"}
+
+
+def _choice(kind: str, value: Any, valid) -> str:
+    if value not in valid:
+        raise ValueError(f"unknown {kind} {value!r}; valid choices: {', '.join(sorted(valid))}")
+    return value
+
+
+def _in_range(key: str, value: Any, ok: bool, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{key} must be {rule}, got {value!r}")
+
+
+def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
+    """GRACE params with defaults filled in and every value validated."""
+    unknown = set(params) - KNOWN_KEYS
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {sorted(unknown)}; valid keys: {sorted(KNOWN_KEYS)}")
+    p = {**DEFAULTS, **params}
+    if "density" in params:
+        if params.get("compress_ratio") not in (None, params["density"]):
+            raise ValueError("'density' is an alias of 'compress_ratio': give one of them, not both")
+        p["compress_ratio"] = params["density"]
+    _choice("compressor", p["compressor"], COMPRESSORS)
+    _choice("memory", p["memory"], MEMORIES)
+    _choice("communicator", p["communicator"], COMMUNICATORS)
+    if p["compress_ratio"] is None:
+        p["compress_ratio"] = 0.3 if p["compressor"] == "dgc" else 0.01
+    ratio = p["compress_ratio"]
+    _in_range("compress_ratio", ratio, isinstance(ratio, (int, float)) and 0 < ratio <= 1,
+              "a number in (0, 1]")
+    _in_range("threshold", p["threshold"], isinstance(p["threshold"], (int, float)) and p["threshold"] >= 0,
+              "a number >= 0")
+    _in_range("quantum_num", p["quantum_num"],
+              isinstance(p["quantum_num"], int) and 1 <= p["quantum_num"] <= 32767, "an int in 1..32767")
+    _in_range("momentum", p["momentum"], isinstance(p["momentum"], (int, float)) and 0 <= p["momentum"] < 1,
+              "a number in [0, 1)")
+    _in_range("lr", p["lr"], isinstance(p["lr"], (int, float)) and p["lr"] > 0, "a number > 0")
+    _in_range("gradient_clipping", p["gradient_clipping"], isinstance(p["gradient_clipping"], bool),
+              "True or False")
+    _in_range("teams", p["teams"], isinstance(p["teams"], int) and p["teams"] >= 1, "an int >= 1")
+    _in_range("powersgd_rank", p["powersgd_rank"],
+              isinstance(p["powersgd_rank"], int) and p["powersgd_rank"] >= 1, "an int >= 1")
+    _check_combination(p)
+    return p
+
+
+def _check_combination(p: dict[str, Any]) -> None:
+    comp, mem, comm = p["compressor"], p["memory"], p["communicator"]
+    if comm in SPARSE_COMMUNICATORS:
+        if comp != "topk":
+            raise ValueError(f"communicator {comm!r} selects entries itself (exact top-k per block): "
+                             f"use compressor 'topk', got {comp!r}")
+        if mem not in SPARSE_MEMORIES:
+            raise ValueError(f"communicator {comm!r} needs memory in {sorted(SPARSE_MEMORIES)}, got {mem!r}")
+        return
+    if mem == "global_residual":
+        raise ValueError(f"memory 'global_residual' works with {sorted(SPARSE_COMMUNICATORS)}; "
+                         f"with communicator {comm!r} use 'residual'")
+    if comm == "allreduce" and comp not in LINEAR_COMPRESSORS:
+        raise ValueError(f"communicator 'allreduce' sums compressed tensors, valid only for compressors "
+                         f"{sorted(LINEAR_COMPRESSORS)}; use 'allgather' for {comp!r}")
+    if comp == "powersgd" and comm != "allreduce":
+        raise ValueError("compressor 'powersgd' communicates inside compress: use communicator 'allreduce'")
+    if (mem == "powersgd") != (comp == "powersgd"):
+        raise ValueError("compressor 'powersgd' and memory 'powersgd' go together")
+    if mem == "dgc" and comp not in SPARSE_INDEX_COMPRESSORS:
+        raise ValueError(f"memory 'dgc' masks sent indices: use a compressor in "
+                         f"{sorted(SPARSE_INDEX_COMPRESSORS)}, got {comp!r}")
+
+
+def grace_from_params(params: dict[str, Any], transport: Transport | None = None) -> Communicator:
+    """Build the communicator described by GRACE-style `params` (see the module docstring).
+
+    transport=None uses the active backend (Horovod, else torch.distributed, else mpirun);
+    spardl_grace.transport.run_local gives a transport per thread for simulations."""
+    p = resolve_params(params)
+    if transport is None:
+        transport = default_transport()
+    if p["world_size"] is not None and p["world_size"] != transport.size:
+        raise ValueError(f"world_size {p['world_size']} does not match the transport's {transport.size} ranks")
+    compressor = COMPRESSORS[p["compressor"]](p)
+    memory = MEMORIES[p["memory"]](p)
+    comm = p["communicator"]
+    if comm in GRACE_COMMUNICATORS:
+        return GRACE_COMMUNICATORS[comm](compressor, memory, transport)
+    if comm == "spardl":
+        return SparDL(compressor, memory, transport, p["compress_ratio"], teams=p["teams"])
+    raise AssertionError(f"communicator {comm!r} is validated but not constructed")

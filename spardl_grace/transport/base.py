@@ -1,0 +1,101 @@
+"""The Transport interface every algorithm is written against.
+
+Algorithms are SPMD: every rank calls the same sequence of Transport operations with the same
+`name` arguments. Names make collectives deterministic under Horovod (ops are matched by name),
+label messages for CountingTransport, and let the local backend detect mismatched programs.
+
+Variable-size operations take and return 1-D tensors; the receiver learns sizes from the
+transport, never from the caller. Received tensors have the sender's dtype and live on the
+device of the tensor the caller passed in.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class TransportError(RuntimeError):
+    """A communication operation failed (peer gone, mismatched program, bad arguments)."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A communication operation did not complete within the transport's timeout."""
+
+
+class Transport(ABC):
+    """Point-to-point and collective communication among `size` ranks.
+
+    Implementations: LocalTransport (threads in one process), TorchDistTransport
+    (torch.distributed: gloo, nccl), MPITransport (mpi4py), HorovodTransport, and the
+    CountingTransport wrapper. Every operation raises TransportTimeout when it cannot complete
+    within `timeout` seconds, so a dead peer never makes the others hang forever.
+    """
+
+    rank: int
+    size: int
+    timeout: float
+
+    @abstractmethod
+    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:
+        """Send the 1-D `tensor` to rank `dst` and return the 1-D tensor rank `src` sent us.
+
+        Every rank calls sendrecv in the same step; its size is not known to the receiver."""
+
+    @abstractmethod
+    def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
+        """Return every rank's 1-D tensor (sizes may differ), indexed by rank."""
+
+    @abstractmethod
+    def alltoall(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """Send tensors[j] to rank j; return what each rank sent to us, indexed by rank."""
+
+    @abstractmethod
+    def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Return the element-wise sum over ranks, bit-identical on every rank. Input unchanged."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        """Return root's tensor on every rank; non-root ranks pass a tensor of the same shape."""
+
+    @abstractmethod
+    def barrier(self, name: str = "barrier") -> None:
+        """Return once every rank has entered the barrier."""
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self.size:
+            raise TransportError(f"{what} rank {peer} is outside 0..{self.size - 1}")
+
+    def _check_alltoall(self, tensors: Sequence[torch.Tensor]) -> None:
+        if len(tensors) != self.size:
+            raise TransportError(f"alltoall needs one tensor per rank ({self.size}), got {len(tensors)}")
+        for t in tensors:
+            _check_1d(t, "alltoall")
+
+
+def _check_1d(tensor: torch.Tensor, op: str) -> None:
+    if tensor.dim() != 1:
+        raise TransportError(f"{op} takes 1-D tensors, got shape {tuple(tensor.shape)}")
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor as a 1-D uint8 tensor (no copy when already contiguous)."""
+    t = tensor.contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.view(torch.uint8)
+
+
+def from_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of as_bytes for 1-D tensors of `dtype`."""
+    if dtype == torch.bool:
+        return data.view(torch.uint8).to(torch.bool)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if data.numel() % itemsize:
+        raise TransportError(f"{data.numel()} bytes is not a whole number of {dtype} elements")
+    if data.storage_offset() % itemsize:
+        data = data.clone()
+    return data.view(dtype)

@@ -1,0 +1,104 @@
+"""CountingTransport: a wrapper that records every message a rank sends and receives.
+
+Point-to-point and all-to-all messages are recorded as they are. Collectives are recorded by
+the per-rank volume of their bandwidth-optimal algorithm, which is what the cost formulas of
+../shared/reference/ALGORITHMS.md assume:
+  allgather  - our piece goes to each of the P-1 others; we receive every other piece;
+  allreduce  - ring all-reduce: 2 (P-1)/P of the tensor each way;
+  broadcast  - the root sends the tensor once to each other rank (receivers receive it once).
+The `phase` of a message is its name up to the first '.', so algorithms group their messages
+by naming them 'phase.detail'.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .base import Transport
+
+
+@dataclass(frozen=True)
+class Message:
+    op: str
+    name: str
+    peer: int          # the other rank; -1 for a collective recorded as a volume
+    bytes_sent: int
+    bytes_received: int
+
+    @property
+    def phase(self) -> str:
+        return self.name.split(".", 1)[0]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CountingTransport(Transport):
+    """Delegates to `inner` and records a Message per transfer in `messages`."""
+
+    def __init__(self, inner: Transport):
+        self.inner = inner
+        self.rank = inner.rank
+        self.size = inner.size
+        self.timeout = inner.timeout
+        self.messages: list[Message] = []
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(m.bytes_sent for m in self.messages)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(m.bytes_received for m in self.messages)
+
+    def bytes_sent_by_phase(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for m in self.messages:
+            out[m.phase] += m.bytes_sent
+        return dict(out)
+
+    def reset(self) -> None:
+        self.messages.clear()
+
+    def _record(self, op: str, name: str, peer: int, sent: int, received: int) -> None:
+        self.messages.append(Message(op, name, peer, sent, received))
+
+    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:
+        got = self.inner.sendrecv(tensor, dst, src, name)
+        self._record("send", name, dst, _nbytes(tensor), 0)
+        self._record("recv", name, src, 0, _nbytes(got))
+        return got
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
+        parts = self.inner.allgather(tensor, name)
+        others = sum(_nbytes(p) for r, p in enumerate(parts) if r != self.rank)
+        self._record("allgather", name, -1, _nbytes(tensor) * (self.size - 1), others)
+        return parts
+
+    def alltoall(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+        parts = self.inner.alltoall(tensors, name)
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._record("alltoall", name, peer, _nbytes(tensors[peer]), _nbytes(parts[peer]))
+        return parts
+
+    def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        out = self.inner.allreduce(tensor, name)
+        volume = 2 * _nbytes(tensor) * (self.size - 1) // self.size
+        self._record("allreduce", name, -1, volume, volume)
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        out = self.inner.broadcast(tensor, root, name)
+        if self.rank == root:
+            self._record("broadcast", name, -1, _nbytes(tensor) * (self.size - 1), 0)
+        else:
+            self._record("broadcast", name, root, 0, _nbytes(tensor))
+        return out
+
+    def barrier(self, name: str = "barrier") -> None:
+        self.inner.barrier(name)

@@ -1,0 +1,113 @@
+"""mpi4py transport (Open MPI under mpirun).
+
+Tensors travel as raw bytes in host memory, so every dtype (bfloat16 included) works. All
+operations are non-blocking MPI requests polled against a deadline: MPI has no timeouts of its
+own, and a peer that died must not leave this rank waiting forever.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
+                   as_bytes, from_bytes)
+
+_REDUCE_DTYPES = {torch.float32: "FLOAT", torch.float64: "DOUBLE", torch.int32: "INT",
+                  torch.int64: "INT64_T", torch.uint8: "UNSIGNED_CHAR"}
+
+
+def _np_bytes(t: torch.Tensor) -> np.ndarray:
+    return as_bytes(t.detach().cpu()).numpy()
+
+
+class MPITransport(Transport):
+    """Transport over an mpi4py communicator (COMM_WORLD by default)."""
+
+    def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT_S):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.timeout = timeout
+
+    def _wait(self, requests, name: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        polls = 0
+        while not self._MPI.Request.Testall(requests):
+            polls += 1
+            if polls > 2000:
+                # Spin briefly for latency, then yield the core: ranks are often oversubscribed.
+                time.sleep(0.0002)
+                if time.monotonic() > deadline:
+                    for r in requests:
+                        r.Cancel()
+                    raise TransportTimeout(f"rank {self.rank}: '{name}' did not complete within "
+                                           f"{self.timeout:.1f}s (a peer may have died)")
+
+    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:
+        _check_1d(tensor, "sendrecv")
+        self._check_peer(dst, "destination")
+        self._check_peer(src, "source")
+        out = _np_bytes(tensor)
+        n_out = np.array([out.size], dtype=np.int64)
+        n_in = np.empty(1, dtype=np.int64)
+        self._wait([self.comm.Isend(n_out, dst, tag=1), self.comm.Irecv(n_in, src, tag=1)], name)
+        received = np.empty(int(n_in[0]), dtype=np.uint8)
+        self._wait([self.comm.Isend(out, dst, tag=2), self.comm.Irecv(received, src, tag=2)], name)
+        return self._to_tensor(received, tensor)
+
+    @staticmethod
+    def _to_tensor(data: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        return from_bytes(torch.from_numpy(data), like.dtype).to(like.device)
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
+        _check_1d(tensor, "allgather")
+        out = _np_bytes(tensor)
+        sizes = np.empty(self.size, dtype=np.int64)
+        self._wait([self.comm.Iallgather(np.array([out.size], dtype=np.int64), sizes)], name)
+        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        received = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self._wait([self.comm.Iallgatherv(out, [received, sizes, displs, self._MPI.BYTE])], name)
+        return [self._to_tensor(received[d:d + s], tensor) for d, s in zip(displs, sizes)]
+
+    def alltoall(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+        self._check_alltoall(tensors)
+        parts = [_np_bytes(t) for t in tensors]
+        send_sizes = np.array([p.size for p in parts], dtype=np.int64)
+        recv_sizes = np.empty(self.size, dtype=np.int64)
+        self._wait([self.comm.Ialltoall(send_sizes, recv_sizes)], name)
+        send = np.concatenate(parts) if parts else np.empty(0, np.uint8)
+        send_displs = np.concatenate([[0], np.cumsum(send_sizes)[:-1]])
+        recv_displs = np.concatenate([[0], np.cumsum(recv_sizes)[:-1]])
+        received = np.empty(int(recv_sizes.sum()), dtype=np.uint8)
+        self._wait([self.comm.Ialltoallv([send, send_sizes, send_displs, self._MPI.BYTE],
+                                         [received, recv_sizes, recv_displs, self._MPI.BYTE])], name)
+        return [self._to_tensor(received[d:d + s], tensors[j])
+                for j, (d, s) in enumerate(zip(recv_displs, recv_sizes))]
+
+    def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        # Half-precision types have no MPI reduction: reduce in fp32 and round once at the end.
+        work = tensor.detach().cpu().contiguous()
+        if work.dtype not in _REDUCE_DTYPES:
+            if not work.is_floating_point():
+                raise TransportError(f"allreduce '{name}': unsupported dtype {work.dtype}")
+            work = work.float()
+        send = work.numpy()
+        received = np.empty_like(send)
+        mpi_type = getattr(self._MPI, _REDUCE_DTYPES[work.dtype])
+        self._wait([self.comm.Iallreduce([send, mpi_type], [received, mpi_type])], name)
+        return torch.from_numpy(received).to(dtype=tensor.dtype, device=tensor.device)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        self._check_peer(root, "root")
+        buf = _np_bytes(tensor).copy()
+        self._wait([self.comm.Ibcast(buf, root=root)], name)
+        return from_bytes(torch.from_numpy(buf), tensor.dtype).view(tensor.shape).to(tensor.device)
+
+    def barrier(self, name: str = "barrier") -> None:
+        self._wait([self.comm.Ibarrier()], name)

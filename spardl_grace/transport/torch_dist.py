@@ -1,0 +1,124 @@
+"""torch.distributed transport (gloo on CPU, nccl on CUDA).
+
+Gloo needs CPU tensors and NCCL CUDA tensors; a tensor on the other kind of device is moved
+once per message and the result is returned on the caller's device. Sizes of variable-size
+messages travel first as one int64, so the receiver never needs to know them in advance.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .base import DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d
+
+
+class TorchDistTransport(Transport):
+    """Transport over an initialised torch.distributed process group.
+
+    `timeout` bounds every wait; the process group's own timeout (set at
+    init_process_group) bounds the collectives inside the backend as well."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S):
+        if not dist.is_available() or not dist.is_initialized():
+            raise TransportError("torch.distributed is not initialised: call "
+                                 "torch.distributed.init_process_group (e.g. under torchrun) first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.timeout = timeout
+        backend = dist.get_backend(group)
+        self.backend = backend
+        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+            else torch.device("cpu")
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _wait(self, works, name: str) -> None:
+        for w in works:
+            try:
+                w.wait(timeout=timedelta(seconds=self.timeout))
+            except RuntimeError as exc:
+                msg = str(exc)
+                kind = TransportTimeout if "imeout" in msg or "imed out" in msg else TransportError
+                raise kind(f"rank {self.rank}: '{name}' failed: {msg}") from exc
+
+    def _on_comm(self, t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().to(self._device)
+
+    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:
+        _check_1d(tensor, "sendrecv")
+        self._check_peer(dst, "destination")
+        self._check_peer(src, "source")
+        if dst == self.rank and src == self.rank:
+            return tensor.clone()
+        out = self._on_comm(tensor)
+        n_out = torch.tensor([out.numel()], dtype=torch.int64, device=self._device)
+        n_in = torch.empty(1, dtype=torch.int64, device=self._device)
+        self._p2p([(dist.isend, n_out, dst), (dist.irecv, n_in, src)], name)
+        received = torch.empty(int(n_in.item()), dtype=tensor.dtype, device=self._device)
+        ops = []
+        if out.numel():
+            ops.append((dist.isend, out, dst))
+        if received.numel():
+            ops.append((dist.irecv, received, src))
+        self._p2p(ops, name)
+        return received.to(tensor.device)
+
+    def _p2p(self, ops, name: str) -> None:
+        if not ops:
+            return
+        p2p = [dist.P2POp(fn, t, self._global(peer), group=self.group) for fn, t, peer in ops]
+        self._wait(dist.batch_isend_irecv(p2p), name)
+
+    def _allgather_sizes(self, n: int, name: str) -> list[int]:
+        mine = torch.tensor([n], dtype=torch.int64, device=self._device)
+        sizes = [torch.empty_like(mine) for _ in range(self.size)]
+        self._wait([dist.all_gather(sizes, mine, group=self.group, async_op=True)], name)
+        return [int(s.item()) for s in sizes]
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
+        _check_1d(tensor, "allgather")
+        sizes = self._allgather_sizes(tensor.numel(), name)
+        longest = max(sizes)
+        padded = torch.zeros(longest, dtype=tensor.dtype, device=self._device)
+        padded[: tensor.numel()] = self._on_comm(tensor)
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        if longest:
+            self._wait([dist.all_gather(parts, padded, group=self.group, async_op=True)], name)
+        return [p[:s].to(tensor.device) for p, s in zip(parts, sizes)]
+
+    def alltoall(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+        self._check_alltoall(tensors)
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1:
+            raise TransportError(f"alltoall '{name}' needs one dtype, got {sorted(map(str, dtypes))}")
+        send_sizes = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=self._device)
+        recv_sizes = torch.empty_like(send_sizes)
+        self._wait([dist.all_to_all_single(recv_sizes, send_sizes, group=self.group,
+                                           async_op=True)], name)
+        send = torch.cat([self._on_comm(t) for t in tensors])
+        in_splits = recv_sizes.tolist()
+        out_splits = send_sizes.tolist()
+        received = torch.empty(sum(in_splits), dtype=send.dtype, device=self._device)
+        if send.numel() or received.numel():
+            self._wait([dist.all_to_all_single(received, send, in_splits, out_splits,
+                                               group=self.group, async_op=True)], name)
+        return [p.to(tensors[0].device) for p in torch.split(received, in_splits)]
+
+    def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        out = self._on_comm(tensor).clone()
+        self._wait([dist.all_reduce(out, group=self.group, async_op=True)], name)
+        return out.to(tensor.device)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        self._check_peer(root, "root")
+        out = self._on_comm(tensor).clone()
+        self._wait([dist.broadcast(out, self._global(root), group=self.group, async_op=True)], name)
+        return out.to(tensor.device)
+
+    def barrier(self, name: str = "barrier") -> None:
+        self.allreduce(torch.zeros(1, device=self._device), name)

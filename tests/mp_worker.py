@@ -1,0 +1,52 @@
+"""A rank of a real multi-process run, started by the tests under a real launcher:
+
+    torchrun --standalone --nproc-per-node P tests/mp_worker.py gloo SCENARIO OUTDIR
+    mpirun -np P python tests/mp_worker.py mpi SCENARIO OUTDIR
+    horovodrun -np P -H localhost:P --gloo python tests/mp_worker.py horovod SCENARIO OUTDIR
+
+Each rank runs SCENARIO against the transport that spardl_grace detects for the launcher
+(default_transport), and saves what it computed to OUTDIR/rank{r}.pt for the test to compare.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import scenarios  # noqa: E402
+
+TIMEOUT_S = 60.0
+
+
+def start_backend(backend: str) -> None:
+    if backend == "gloo":
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    elif backend == "horovod":
+        import horovod.torch as hvd
+        hvd.init()
+    elif backend != "mpi":
+        raise SystemExit(f"unknown backend {backend!r}; valid: gloo, mpi, horovod")
+
+
+def main() -> None:
+    backend, scenario, outdir = sys.argv[1:4]
+    torch.set_num_threads(1)
+    start_backend(backend)
+    from spardl_grace.transport import default_transport
+    transport = default_transport(timeout=TIMEOUT_S)
+    result = getattr(scenarios, scenario)(transport)
+    torch.save(result, Path(outdir) / f"rank{transport.rank}.pt")
+    transport.barrier("done")
+    if backend == "gloo":
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,125 @@
+"""SPMD scenarios shared by the in-process tests (run_local) and the real multi-process runs
+(tests/mp_worker.py). Each takes a Transport and returns plain data for the test to check.
+Inputs depend only on (rank, size), so the test can recompute what every rank sent."""
+from __future__ import annotations
+
+import torch
+
+from spardl_grace import grace_from_params
+
+DTYPES = [torch.float32, torch.int32, torch.uint8, torch.bfloat16, torch.float64]
+
+
+def rank_tensor(rank: int, n: int, dtype: torch.dtype = torch.float32, salt: int = 0) -> torch.Tensor:
+    """A deterministic 1-D tensor of n entries for `rank` (small integers: exact in every dtype)."""
+    values = (torch.arange(n, dtype=torch.int64) * 7 + rank * 13 + salt * 5) % 97 - 40
+    if dtype == torch.uint8:
+        values = values.abs()
+    return values.to(dtype)
+
+
+def variable_size(rank: int, peer: int) -> int:
+    """Message sizes that vary by sender and receiver and are 0 for some pairs."""
+    return (3 * rank + 5 * peer) % 7
+
+
+def transport_ops(transport) -> dict:
+    """Every Transport operation with variable and empty sizes and several dtypes."""
+    r, p = transport.rank, transport.size
+    out = {}
+    for dtype in DTYPES:
+        tag = str(dtype).split(".")[-1]
+        dst, src = (r + 1) % p, (r - 1) % p
+        out[f"sendrecv.{tag}"] = transport.sendrecv(
+            rank_tensor(r, variable_size(r, dst), dtype), dst, src, f"sr.{tag}")
+        out[f"allgather.{tag}"] = transport.allgather(
+            rank_tensor(r, variable_size(r, 0), dtype), f"ag.{tag}")
+        out[f"alltoall.{tag}"] = transport.alltoall(
+            [rank_tensor(r, variable_size(r, j), dtype, salt=j) for j in range(p)], f"a2a.{tag}")
+        out[f"broadcast.{tag}"] = transport.broadcast(
+            rank_tensor(r if r == p - 1 else 99, 6, dtype).view(2, 3), p - 1, f"bc.{tag}")
+    out["allreduce.float32"] = transport.allreduce(rank_tensor(r, 10).view(2, 5), "ar.f32")
+    out["allreduce.float64"] = transport.allreduce(rank_tensor(r, 10, torch.float64), "ar.f64")
+    out["allreduce.int32"] = transport.allreduce(rank_tensor(r, 10, torch.int32), "ar.i32")
+    out["allreduce.random"] = transport.allreduce(
+        torch.randn(1000, generator=torch.Generator().manual_seed(r)), "ar.rand")
+    transport.barrier()
+    return out
+
+
+def expected_transport_ops(rank: int, size: int) -> dict:
+    """What transport_ops must return on `rank` of `size`."""
+    out = {}
+    for dtype in DTYPES:
+        tag = str(dtype).split(".")[-1]
+        src = (rank - 1) % size
+        out[f"sendrecv.{tag}"] = rank_tensor(src, variable_size(src, rank), dtype)
+        out[f"allgather.{tag}"] = [rank_tensor(j, variable_size(j, 0), dtype) for j in range(size)]
+        out[f"alltoall.{tag}"] = [rank_tensor(j, variable_size(j, rank), dtype, salt=rank)
+                                  for j in range(size)]
+        out[f"broadcast.{tag}"] = rank_tensor(size - 1, 6, dtype).view(2, 3)
+    out["allreduce.float32"] = sum(rank_tensor(j, 10) for j in range(size)).view(2, 5)
+    out["allreduce.float64"] = sum(rank_tensor(j, 10, torch.float64) for j in range(size))
+    out["allreduce.int32"] = sum(rank_tensor(j, 10, torch.int32) for j in range(size))
+    return out
+
+
+# (compressor, memory, communicator) triples exercised by the GRACE loop on every backend.
+GRACE_CONFIGS = [
+    ("none", "none", "allreduce"), ("fp16", "none", "allreduce"), ("randomk", "residual", "allreduce"),
+    ("powersgd", "powersgd", "allreduce"), ("topk", "residual", "allgather"),
+    ("threshold", "residual", "allgather"), ("dgc", "dgc", "allgather"), ("qsgd", "none", "allgather"),
+    ("terngrad", "none", "allgather"), ("signsgd", "none", "allgather"), ("signum", "none", "allgather"),
+    ("efsignsgd", "efsignsgd", "allgather"), ("onebit", "residual", "allgather"),
+    ("natural", "none", "allgather"), ("topk", "residual", "broadcast"), ("qsgd", "none", "broadcast"),
+    ("topk", "global_residual", "spardl"),
+]
+
+
+def tiny_regression(rank: int, steps: int = 4):
+    """A two-layer model and per-rank data batches for a GRACE dist-style training loop."""
+    torch.manual_seed(1234)  # identical initial model on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    g = torch.Generator().manual_seed(100 + rank)
+    batches = [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)) for _ in range(steps)]
+    return model, batches
+
+
+def grace_training(transport, configs=GRACE_CONFIGS, steps: int = 4) -> dict:
+    """The GRACE dist-style loop (grc.step per gradient) for each config; returns final params."""
+    out = {}
+    for comp, mem, comm in configs:
+        params = {"compressor": comp, "memory": mem, "communicator": comm, "compress_ratio": 0.3}
+        grc = grace_from_params(params, transport=transport)
+        model, batches = tiny_regression(transport.rank, steps)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            for name, p in model.named_parameters():
+                p.grad = grc.step(p.grad, name)
+            opt.step()
+        out["/".join((comp, mem, comm))] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+SPARDL_CASES = [(0, 0.1, 1), (1, 0.5, 1), (37, 0.2, 1), (1000, 0.05, 1), (1000, 1.0, 1),
+                (999, 0.03, "all"), (1000, 1.0, "all")]
+
+
+def spardl_steps(transport, cases=SPARDL_CASES, steps: int = 3) -> list[dict]:
+    """SparDL over several steps per case: inputs, old residuals, results and new residuals."""
+    records = []
+    for n, rho, teams in cases:
+        d = transport.size if teams == "all" else teams
+        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
+                                 "communicator": "spardl", "compress_ratio": rho, "teams": d},
+                                transport=transport)
+        g = torch.Generator().manual_seed(7 + transport.rank)
+        for step in range(steps):
+            grad = torch.randn(n, generator=g)
+            old = grc.memory.residuals.get("w", torch.zeros(n)).clone()
+            result = grc.step(grad, "w")
+            records.append({"case": (n, rho, d), "step": step, "grad": grad, "old_residual": old,
+                            "result": result, "residual": grc.memory.residuals["w"].clone()})
+    return records

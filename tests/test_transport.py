@@ -1,0 +1,141 @@
+"""Transports: variable sizes, empty tensors, several dtypes, P not a power of two, failures."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+import scenarios
+from spardl_grace.transport import (CountingTransport, PeerFailure, TransportError, TransportTimeout,
+                                    default_transport, run_local)
+
+
+def assert_same(got, want, where=""):
+    if isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{where}[{i}]")
+        return
+    assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(got, want), f"{where}: {got} != {want}"
+
+
+def check_transport_results(results):
+    size = len(results)
+    for rank, got in enumerate(results):
+        want = scenarios.expected_transport_ops(rank, size)
+        for key, value in want.items():
+            assert_same(got[key], value, f"rank {rank} {key}")
+        # The random all-reduce must give the same bits on every rank.
+        assert torch.equal(got["allreduce.random"], results[0]["allreduce.random"])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+def test_local_transport_ops(size):
+    check_transport_results(run_local(size, scenarios.transport_ops))
+
+
+@pytest.mark.parametrize("backend,size", [("gloo", 2), ("gloo", 3), ("mpi", 3), ("horovod-gloo", 3),
+                                          ("horovod-mpi", 2)])
+def test_real_transport_ops(launch, backend, size):
+    check_transport_results(launch(backend, size, "transport_ops"))
+
+
+def test_local_detects_mismatched_programs():
+    def fn(t):
+        if t.rank == 0:
+            return t.allgather(torch.ones(2), "first")
+        return t.allgather(torch.ones(2), "second")
+    with pytest.raises(TransportError, match="different sequences"):
+        run_local(2, fn)
+
+
+def test_local_failure_releases_peers_quickly():
+    def fn(t):
+        if t.rank == 1:
+            raise KeyError("boom")
+        return t.sendrecv(torch.ones(3), 1, 1, "x")
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="boom"):
+        run_local(2, fn, timeout=30)
+    assert time.monotonic() - start < 5
+
+
+def test_local_missing_peer_times_out():
+    def fn(t):
+        if t.rank == 0:
+            return t.allgather(torch.ones(1), "lonely")
+        return None
+    with pytest.raises(TransportTimeout, match="within 0.5s"):
+        run_local(2, fn, timeout=0.5)
+
+
+def test_bad_arguments_raise():
+    def fn(t):
+        with pytest.raises(TransportError, match="1-D"):
+            t.sendrecv(torch.ones(2, 2), 0, 0, "x")
+        with pytest.raises(TransportError, match="outside"):
+            t.sendrecv(torch.ones(2), 5, 0, "x")
+        with pytest.raises(TransportError, match="one tensor per rank"):
+            t.alltoall([torch.ones(1)] * 3, "x")
+        return True
+    assert run_local(2, fn) == [True, True]
+
+
+def test_default_transport_without_backend_says_how_to_start_one():
+    with pytest.raises(TransportError, match="horovodrun.*torchrun.*mpirun"):
+        default_transport()
+
+
+def test_counting_transport_records_messages():
+    def fn(t):
+        c = CountingTransport(t)
+        c.sendrecv(torch.zeros(5), (t.rank + 1) % t.size, (t.rank - 1) % t.size, "srs.a")
+        c.allgather(torch.zeros(t.rank + 1, dtype=torch.float64), "ag.b")
+        c.alltoall([torch.zeros(j, dtype=torch.int32) for j in range(t.size)], "a2a.c")
+        c.allreduce(torch.zeros(8), "ar.d")
+        return c.bytes_sent_by_phase(), c.bytes_sent, c.bytes_received
+    results = run_local(4, fn)
+    for rank, (phases, sent, received) in enumerate(results):
+        a2a = 4 * (sum(range(4)) - rank)
+        assert phases == {"srs": 20, "ag": 8 * (rank + 1) * 3, "a2a": a2a, "ar": 2 * 32 * 3 // 4}
+        assert sent == sum(phases.values())
+        others_ag = sum(8 * (j + 1) for j in range(4) if j != rank)
+        assert received == 20 + others_ag + 4 * rank * 3 + 2 * 32 * 3 // 4
+
+
+def _gloo_rank(rank: int, init_file: str, queue) -> None:
+    import torch.distributed as dist
+    from datetime import timedelta
+    from spardl_grace.transport.torch_dist import TorchDistTransport
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    t = TorchDistTransport(timeout=3)
+    t.barrier()
+    if rank == 1:
+        import os
+        os._exit(0)  # dies without a word, mid-run
+    start = time.monotonic()
+    try:
+        t.sendrecv(torch.ones(4), 1, 1, "after-death")
+        queue.put(("no error", time.monotonic() - start))
+    except TransportError as exc:
+        queue.put((type(exc).__name__, time.monotonic() - start))
+
+
+def test_gloo_dead_peer_raises_instead_of_hanging(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, str(tmp_path / "init"), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    kind, seconds = queue.get(timeout=120)
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert kind in ("TransportError", "TransportTimeout"), kind
+    assert seconds < 30
