@@ -78,8 +78,11 @@ GRACE_CONFIGS = [
 
 def tiny_regression(rank: int, steps: int = 4):
     """A two-layer model and per-rank data batches for a GRACE dist-style training loop."""
-    torch.manual_seed(1234)  # identical initial model on every rank
     model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    init = torch.Generator().manual_seed(1234)  # identical initial model on every rank (and thread)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=init) * 0.4)
     g = torch.Generator().manual_seed(100 + rank)
     batches = [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)) for _ in range(steps)]
     return model, batches

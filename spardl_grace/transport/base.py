@@ -96,6 +96,8 @@ def from_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     if data.numel() % itemsize:
         raise TransportError(f"{data.numel()} bytes is not a whole number of {dtype} elements")
+    if data.numel() == 0:
+        return torch.empty(0, dtype=dtype, device=data.device)
     if data.storage_offset() % itemsize:
         data = data.clone()
     return data.view(dtype)

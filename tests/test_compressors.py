@@ -1,0 +1,165 @@
+"""Every GRACE compressor: round trips, what it sends, determinism of shared randomness."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spardl_grace import compressors as C
+from spardl_grace.compressors._sparse import count_for_ratio
+from spardl_grace.compressors.signsgd import majority_vote
+from spardl_grace.transport import run_local
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def roundtrip(comp, x, name="w"):
+    tensors, ctx = comp.compress(x, name)
+    return tensors, comp.decompress(tensors, ctx)
+
+
+def test_none_and_fp16():
+    x = randn(4, 5)
+    _, y = roundtrip(C.NoneCompressor(), x)
+    assert torch.equal(y, x)
+    tensors, y = roundtrip(C.FP16Compressor(), x)
+    assert tensors[0].dtype == torch.float16
+    assert y.dtype == x.dtype and torch.equal(y, x.half().float())
+
+
+@pytest.mark.parametrize("numel,ratio", [(1, 0.01), (10, 0.3), (1000, 0.01), (7, 1.0)])
+def test_topk_keeps_exactly_the_largest(numel, ratio):
+    x = randn(numel, seed=numel)
+    tensors, y = roundtrip(C.TopKCompressor(ratio), x)
+    k = count_for_ratio(numel, ratio)
+    assert tensors[0].numel() == k
+    kept = y != 0
+    assert int(kept.sum()) == k
+    assert torch.equal(y[kept], x[kept])
+    if k < numel:
+        assert x[kept].abs().min() >= x[~kept].abs().max()
+
+
+def test_randomk_positions_are_shared_and_change_each_step():
+    x = randn(100)
+    a, b = C.RandomKCompressor(0.1), C.RandomKCompressor(0.1)
+    _, ctx_a = a.compress(x, "w")
+    _, ctx_b = b.compress(x * 2, "w")
+    assert torch.equal(ctx_a[0], ctx_b[0])  # two "ranks" agree without exchanging indices
+    _, ctx_next = a.compress(x, "w")
+    assert not torch.equal(ctx_a[0], ctx_next[0])
+    state = torch.get_rng_state()
+    _, y = roundtrip(C.RandomKCompressor(0.1), x)
+    assert torch.equal(torch.get_rng_state(), state), "randomk must not touch the global RNG"
+    kept = y != 0
+    assert int(kept.sum()) == 10 and torch.equal(y[kept], x[kept])
+
+
+def test_threshold_keeps_entries_above():
+    x = randn(200)
+    _, y = roundtrip(C.ThresholdCompressor(1.0), x)
+    assert torch.equal(y, torch.where(x.abs() > 1.0, x, torch.zeros_like(x)))
+
+
+def test_dgc_selects_close_to_target():
+    x = randn(100_000)
+    tensors, y = roundtrip(C.DgcCompressor(0.01), x)
+    assert 0.7 * 1000 <= tensors[0].numel() <= 1.3 * 1000
+    kept = y != 0
+    assert torch.equal(y[kept], x[kept])
+    assert x[kept].abs().min() >= x[~kept].abs().max()
+
+
+def test_qsgd_levels_and_unbiasedness():
+    x = randn(50)
+    comp = C.QSGDCompressor(15)
+    tensors, _ = roundtrip(comp, x)
+    assert tensors[0].dtype == torch.int8 and tensors[0].abs().max() <= 15
+    mean = torch.stack([roundtrip(comp, x)[1] for _ in range(2000)]).mean(0)
+    assert torch.allclose(mean, x, atol=0.05 * x.norm().item() / 15 * 4)
+    assert C.QSGDCompressor(300).compress(x, "w")[0][0].dtype == torch.int16
+
+
+def test_terngrad_is_ternary_and_unbiased_after_clipping():
+    x = randn(40)
+    comp = C.TernGradCompressor()
+    tensors, y = roundtrip(comp, x)
+    scale = tensors[1]
+    assert set(tensors[0].unique().tolist()) <= {-1, 0, 1}
+    assert set(y.unique().tolist()) <= {-scale.item(), 0.0, scale.item()}
+    clip = 2.5 * x.std(correction=0)
+    mean = torch.stack([roundtrip(comp, x)[1] for _ in range(4000)]).mean(0)
+    assert torch.allclose(mean, x.clamp(-clip, clip), atol=0.1)
+
+
+def test_sign_compressors():
+    x = randn(30)
+    _, y = roundtrip(C.SignSGDCompressor(), x)
+    assert torch.equal(y, torch.where(x >= 0, 1.0, -1.0))
+    vote = majority_vote([torch.tensor([1.0, -1.0, 1.0]), torch.tensor([1.0, -1.0, -1.0]),
+                          torch.tensor([-1.0, -1.0, -1.0])])
+    assert torch.equal(vote, torch.tensor([1.0, -1.0, -1.0]))
+    signum = C.SignumCompressor(0.5)
+    signum.compress(torch.ones(3), "w")
+    tensors, _ = signum.compress(torch.tensor([-3.0, -0.5, 0.0]), "w")  # momentum: 0.5*g + 0.5*1
+    assert tensors[0].tolist() == [0, 1, 1]
+    _, y = roundtrip(C.EFSignSGDCompressor(0.1), x)
+    assert torch.allclose(y, x.abs().mean() * torch.where(x >= 0, 1.0, -1.0))
+
+
+def test_onebit_reconstructs_side_means():
+    x = randn(64)
+    _, y = roundtrip(C.OneBitCompressor(), x)
+    neg = x < 0
+    assert torch.allclose(y[neg], x[neg].mean().expand(int(neg.sum())))
+    assert torch.allclose(y[~neg], x[~neg].mean().expand(int((~neg).sum())))
+
+
+def test_natural_rounds_to_bracketing_powers_of_two_unbiased():
+    x = torch.cat([randn(200) * 10, torch.tensor([0.0, 1.0, -2.0, 3e-30])])
+    comp = C.NaturalCompressor()
+    tensors, y = roundtrip(comp, x)
+    assert tensors[0].dtype == torch.uint8
+    nonzero = (y != 0) & (x.abs() > 1e-18)
+    log = torch.log2(y[nonzero].abs())
+    assert torch.equal(log, log.round()), "decoded magnitudes are powers of two"
+    assert torch.all(y[nonzero].abs() <= 2 * x[nonzero].abs())
+    assert torch.all(y[nonzero].abs() >= x[nonzero].abs() / 2)
+    assert torch.equal(torch.sign(y[nonzero]), torch.sign(x[nonzero]))
+    assert y[200].item() == 0.0 and y[201].item() == 1.0 and y[202].item() == -2.0
+    mean = torch.stack([roundtrip(comp, x[:200])[1] for _ in range(3000)]).mean(0)
+    assert torch.allclose(mean, x[:200], rtol=0.1, atol=0.05)
+
+
+def test_powersgd_recovers_a_rank_one_matrix():
+    def fn(t):
+        comp = C.PowerSGDCompressor(rank=1)
+        comp.bind(t)
+        m = torch.outer(torch.arange(1.0, 7.0), torch.arange(1.0, 5.0)) * (t.rank + 1)
+        tensors, ctx = comp.compress(m, "w")
+        assert tensors == []
+        return comp.decompress(tensors, ctx), m
+    results = run_local(3, fn)
+    mean = sum(m for _, m in results) / 3
+    for y, _ in results:
+        assert torch.allclose(y, mean, atol=1e-4)
+    bias = torch.arange(3.0)
+    comp = C.PowerSGDCompressor()
+    assert roundtrip(comp, bias)[1] is bias  # 1-D tensors travel uncompressed
+
+
+def test_state_dict_round_trips_with_weights_only(tmp_path):
+    comp = C.SignumCompressor(0.9)
+    comp.compress(randn(5), "layer")
+    torch.save(comp.state_dict(), tmp_path / "s.pt")
+    other = C.SignumCompressor(0.9)
+    other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert torch.equal(other.momentums["layer"], comp.momentums["layer"])
+
+    x = randn(50)
+    uninterrupted, resumed = C.RandomKCompressor(0.1), C.RandomKCompressor(0.1)
+    uninterrupted.compress(x, "w")
+    torch.save(uninterrupted.state_dict(), tmp_path / "r.pt")
+    resumed.load_state_dict(torch.load(tmp_path / "r.pt", weights_only=True))
+    assert torch.equal(resumed.compress(x, "w")[1][0], uninterrupted.compress(x, "w")[1][0])
