@@ -33,11 +33,13 @@ class StepStats:
     """Per-step statistics of a sparse all-reduce: payload and framing bytes sent per phase,
     entries sent, and seconds spent selecting, coding and communicating."""
 
-    def __init__(self) -> None:
-        self.payload_bytes: dict[str, int] = defaultdict(int)
-        self.framing_bytes: dict[str, int] = defaultdict(int)
-        self.entries: dict[str, int] = defaultdict(int)
-        self.seconds: dict[str, float] = defaultdict(float)
+    def __init__(self, phases: tuple[str, ...] = ()) -> None:
+        """`phases` are reported (as zeros) even when a step sends nothing in them."""
+        self.payload_bytes: dict[str, int] = defaultdict(int, {p: 0 for p in phases})
+        self.framing_bytes: dict[str, int] = defaultdict(int, {p: 0 for p in phases})
+        self.entries: dict[str, int] = defaultdict(int, {p: 0 for p in phases})
+        self.seconds: dict[str, float] = defaultdict(
+            float, {k: 0.0 for k in ("selection_s", "coding_s", "comm_s")})
 
     def add_bytes(self, phase: str, payload: int, framing: int = 0) -> None:
         self.payload_bytes[phase] += payload

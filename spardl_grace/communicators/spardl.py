@@ -43,6 +43,7 @@ from ..transport import Transport
 from ._sparse_collectives import StepStats, bruck_allgather
 from .schedules import srs_schedule
 
+PHASES = ("srs", "cross", "sag")
 H_GAIN = 0.5  # weight of the new estimate in the adaptive-h update (the rest is inertia)
 
 
@@ -86,7 +87,7 @@ class SparDL(SparseAllreduce):
         return self._h.get(name, math.ceil(kb / self.teams))
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        stats = StepStats()
+        stats = StepStats(PHASES)
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
         n = tensor.numel()

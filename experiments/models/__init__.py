@@ -1,0 +1,4 @@
+"""Models for the experiments."""
+from .small import FashionCNN
+
+__all__ = ["FashionCNN"]

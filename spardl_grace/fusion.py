@@ -1,0 +1,27 @@
+"""Gradient fusion: the whole model's gradients as one flat buffer, and back.
+
+SparDL selects per block of the *fused* gradient, so one step over the flat buffer (rather
+than one per layer) gives it the whole model to balance and the fewest messages."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def flatten_grads(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """The gradients of `params` concatenated (zeros for parameters without a gradient)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+
+
+def assign_grads(params: Iterable[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Set each parameter's .grad to its slice of `flat` (the inverse of flatten_grads)."""
+    params = list(params)
+    total = sum(p.numel() for p in params)
+    if flat.numel() != total:
+        raise ValueError(f"flat buffer has {flat.numel()} entries, the parameters {total}")
+    offset = 0
+    for p in params:
+        p.grad = flat[offset: offset + p.numel()].view_as(p).to(p.dtype).clone()
+        offset += p.numel()
