@@ -88,21 +88,26 @@ def tiny_regression(rank: int, steps: int = 4):
     return model, batches
 
 
+def train_tiny(grc, rank: int, steps: int = 4) -> list[torch.Tensor]:
+    """The GRACE dist-style loop (grc.step per gradient) on tiny_regression; final params."""
+    model, batches = tiny_regression(rank, steps)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        for name, p in model.named_parameters():
+            p.grad = grc.step(p.grad, name)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def grace_training(transport, configs=GRACE_CONFIGS, steps: int = 4) -> dict:
-    """The GRACE dist-style loop (grc.step per gradient) for each config; returns final params."""
+    """train_tiny for each (compressor, memory, communicator) config; final params by config."""
     out = {}
     for comp, mem, comm in configs:
         params = {"compressor": comp, "memory": mem, "communicator": comm, "compress_ratio": 0.3}
-        grc = grace_from_params(params, transport=transport)
-        model, batches = tiny_regression(transport.rank, steps)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        for x, y in batches:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            for name, p in model.named_parameters():
-                p.grad = grc.step(p.grad, name)
-            opt.step()
-        out["/".join((comp, mem, comm))] = [p.detach().clone() for p in model.parameters()]
+        out["/".join((comp, mem, comm))] = train_tiny(grace_from_params(params, transport=transport),
+                                                      transport.rank, steps)
     return out
 
 

@@ -209,16 +209,7 @@ def test_grace_dist_loop_with_spardl_matches_dense_at_density_one():
         params = {"communicator": comm} if comm == "allreduce" else {
             "compressor": "topk", "memory": "global_residual", "communicator": "spardl",
             "compress_ratio": 1.0, "teams": 2}
-        grc = grace_from_params(params, transport=t)
-        model, batches = scenarios.tiny_regression(t.rank)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        for x, y in batches:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            for name, p in model.named_parameters():
-                p.grad = grc.step(p.grad, name)
-            opt.step()
-        return [p.detach() for p in model.parameters()]
+        return scenarios.train_tiny(grace_from_params(params, transport=t), t.rank)
     dense, sparse = run_local(4, fn, "allreduce")[0], run_local(4, fn, "spardl")[0]
     for a, b in zip(dense, sparse):
         assert torch.allclose(a, b, atol=1e-6)
