@@ -26,7 +26,7 @@ from experiments.datasets import load_fashion_mnist
 from experiments.models import FashionCNN
 from spardl_grace import CountingTransport, grace_from_params
 from spardl_grace.fusion import assign_grads, flatten_grads
-from spardl_grace.transport.torch_dist import TorchDistTransport
+from spardl_grace.transport.torch_dist import TorchDistTransport, destroy_and_exit
 
 CONFIGS = {
     "dense": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
@@ -94,7 +94,7 @@ def worker(rank: int, world: int, port: int, algo: str, args: argparse.Namespace
               "parameters": sum(p.numel() for p in model.parameters()),
               "params_digest": digest}
     torch.save(result, Path(out) / f"{algo}-rank{rank}.pt")
-    dist.destroy_process_group()
+    destroy_and_exit()
 
 
 def run_algorithm(algo: str, args: argparse.Namespace, out: Path) -> list[dict]:

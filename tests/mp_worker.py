@@ -43,8 +43,8 @@ def main() -> None:
     torch.save(result, Path(outdir) / f"rank{transport.rank}.pt")
     transport.barrier("done")
     if backend == "gloo":
-        import torch.distributed as dist
-        dist.destroy_process_group()
+        from spardl_grace.transport.torch_dist import destroy_and_exit
+        destroy_and_exit()
 
 
 if __name__ == "__main__":
