@@ -167,7 +167,7 @@ def main(argv=None) -> list[dict]:
     for f in out.glob("*-rank*.pt"):
         f.unlink()
     (out / "results.json").write_text(json.dumps(
-        {"config": {k: v for k, v in vars(args).items()}, "results": summaries}, indent=1))
+        {"config": vars(args), "results": summaries}, indent=1))
     plot(summaries, out / "loss.png")
     dense = next((s for s in summaries if s["algorithm"] == "dense"), None)
     print(f"\n{'algorithm':<10}{'test acc':>10}{'train loss':>12}{'bytes/step/rank':>17}"

@@ -157,7 +157,7 @@ def test_bytes_with_teams_match_the_formula(size, teams):
     m = size // teams
     block = math.ceil(n / m)
     kb = math.floor(block * rho)
-    for rank, records in enumerate(per_rank):
+    for records in per_rank:
         for rec in records:
             stats = rec["stats"]
             assert stats["srs_payload_bytes"] == 8 * kb * (m - 1)

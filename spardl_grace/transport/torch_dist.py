@@ -6,6 +6,8 @@ messages travel first as one int64, so the receiver never needs to know them in 
 """
 from __future__ import annotations
 
+import os
+import sys
 from datetime import timedelta
 from typing import Sequence
 
@@ -132,9 +134,6 @@ def destroy_and_exit(code: int = 0) -> None:
     active exception" (SIGABRT) although all work is done (the race is described in
     pytorch/pytorch PR 179291). Ending the process without finalisation avoids it; call this
     last, after results are written."""
-    import os
-    import sys
-
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
