@@ -16,6 +16,8 @@ import torch
 
 from .transport.base import as_bytes, from_bytes
 
+INT32_MAX = 2**31 - 1
+
 
 @dataclass
 class Encoded:
@@ -45,6 +47,15 @@ class PayloadCodec(ABC):
         idx, vals = self.decode(data, block.numel(), block.dtype, block.device, key)
         return Encoded(data, idx, vals)
 
+    def encode_sparse(self, indices: torch.Tensor, values: torch.Tensor, size: int,
+                      key: str) -> Encoded:
+        """Code a sparse vector of length `size` given by its entries (unique int64 `indices`,
+        `values`); positions outside `indices` hold 0. For senders that hold a set of entries
+        rather than a dense block (gTop-k's merged sets)."""
+        block = torch.zeros(size, dtype=values.dtype, device=values.device)
+        block[indices] = values
+        return self.encode(block, indices, key)
+
 
 class IdentityCodec(PayloadCodec):
     """Values in the block's dtype followed by int32 indices: (itemsize + 4) bytes per entry,
@@ -53,7 +64,14 @@ class IdentityCodec(PayloadCodec):
     name = "identity"
 
     def encode_bytes(self, block, indices, key):
-        return torch.cat([as_bytes(block[indices]), as_bytes(indices.to(torch.int32))])
+        return self._pack(block[indices], indices, block.numel())
+
+    @staticmethod
+    def _pack(values: torch.Tensor, indices: torch.Tensor, size: int) -> torch.Tensor:
+        if size > INT32_MAX + 1:
+            raise ValueError(f"a block of {size} entries does not fit int32 indices: split the "
+                             f"tensor into buckets of at most {INT32_MAX + 1} entries")
+        return torch.cat([as_bytes(values), as_bytes(indices.to(torch.int32))])
 
     def decode(self, data, block_size, dtype, device, key):
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -69,6 +87,9 @@ class IdentityCodec(PayloadCodec):
 
     def encode(self, block, indices, key):
         return Encoded(self.encode_bytes(block, indices, key), indices, block[indices])
+
+    def encode_sparse(self, indices, values, size, key):
+        return Encoded(self._pack(values, indices, size), indices, values)
 
 
 def pack_frames(frames: list[torch.Tensor]) -> torch.Tensor:

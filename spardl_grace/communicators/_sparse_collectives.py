@@ -1,6 +1,7 @@
 """Building blocks shared by the sparse all-reduces."""
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -11,6 +12,73 @@ import torch
 from ..payload import frame_overhead, pack_frames, unpack_frames
 from ..transport import Transport
 from .schedules import bruck_rounds
+
+RADIX_BITS = 4  # digit width of the distributed radix select: 16 counters per round
+
+
+def k_for(numel: int, density: float) -> int:
+    """Entries a worker selects from `numel`: floor(numel * density), at least 1, at most numel."""
+    return min(numel, max(1, math.floor(numel * density))) if numel else 0
+
+
+def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k entries of largest magnitude (all positions when k >= numel)."""
+    if k >= values.numel():
+        return torch.arange(values.numel(), device=values.device)
+    return torch.topk(values.abs(), k, sorted=False).indices
+
+
+def realign(indices: torch.Tensor, values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """values[i] where indices[i] == t, for each t in `targets`, and 0 where `indices` (sorted
+    ascending, unique) does not contain t."""
+    out = torch.zeros(targets.numel(), dtype=values.dtype, device=values.device)
+    if indices.numel() == 0 or targets.numel() == 0:
+        return out
+    pos = torch.searchsorted(indices, targets).clamp_(max=indices.numel() - 1)
+    hit = indices[pos] == targets
+    out[hit] = values[pos[hit]]
+    return out
+
+
+def _magnitude_bits(values: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """|values| as non-negative integers ordered like the magnitudes, and their bit width."""
+    width = values.element_size() * 8
+    as_int = {16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
+    return values.abs().view(as_int).to(torch.int64), width
+
+
+def global_kth_magnitude(transport: Transport, values: torch.Tensor, k: int, name: str,
+                         stats: "StepStats", phase: str = "threshold") -> torch.Tensor:
+    """The exact k-th largest |v| over the union of every rank's `values` (one floating dtype
+    on every rank), as a 0-d tensor of that dtype; 0 when fewer than k values exist in all.
+
+    A radix select on the magnitudes' bit patterns (non-negative floats order like their bits):
+    one all-reduce of 2**RADIX_BITS counters per digit, so the volume is independent of k and
+    of the number of values. Every rank returns the same bits."""
+    bits, width = _magnitude_bits(values)
+    as_int = {16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
+    size = transport.size
+
+    def allreduce(counts: torch.Tensor, suffix: str) -> torch.Tensor:
+        stats.add_bytes(phase, 2 * counts.numel() * 8 * (size - 1) // size)
+        with stats.timer("comm_s"):
+            return transport.allreduce(counts, f"{name}.{suffix}")
+
+    total = int(allreduce(torch.tensor([values.numel()], dtype=torch.int64), "n")[0])
+    if k <= 0 or total < k:
+        return torch.zeros((), dtype=values.dtype)
+    radix = 1 << RADIX_BITS
+    prefix, remaining = 0, k
+    candidates = bits
+    for r, shift in enumerate(range(width - RADIX_BITS, -1, -RADIX_BITS)):
+        digits = (candidates >> shift) & (radix - 1)
+        counts = allreduce(torch.bincount(digits, minlength=radix).cpu(), str(r))
+        at_least = torch.flip(torch.cumsum(torch.flip(counts, [0]), 0), [0])
+        digit = int(torch.nonzero(at_least >= remaining).max())
+        remaining -= int(at_least[digit] - counts[digit])
+        prefix |= digit << shift
+        candidates = candidates[digits == digit]
+    return torch.tensor([prefix], dtype=torch.int64).to(as_int).view(values.dtype)[0]
 
 
 def bruck_allgather(transport: Transport, piece: torch.Tensor, group: list[int], me: int,
@@ -27,6 +95,32 @@ def bruck_allgather(transport: Transport, piece: torch.Tensor, group: list[int],
         held.extend(unpack_frames(got))
     g = len(group)
     return [held[(i - me) % g] for i in range(g)]
+
+
+def dense_average(transport: Transport, tensor: torch.Tensor, name: str, stats: "StepStats",
+                  phase: str = "dense") -> torch.Tensor:
+    """The all-reduced average of `tensor`, counted as a ring all-reduce (2n(P-1)/P elements)."""
+    size = transport.size
+    stats.add_bytes(phase, 2 * tensor.numel() * tensor.element_size() * (size - 1) // size)
+    stats.entries[phase] = tensor.numel()
+    with stats.timer("comm_s"):
+        return transport.allreduce(tensor, name) / size
+
+
+def allgather_bytes(transport: Transport, data: torch.Tensor, name: str, stats: "StepStats",
+                    phase: str) -> list[torch.Tensor]:
+    """transport.allgather of a uint8 message, counted as sent to each of the P-1 others."""
+    stats.add_bytes(phase, data.numel() * (transport.size - 1))
+    with stats.timer("comm_s"):
+        return transport.allgather(data, name)
+
+
+def alltoall_bytes(transport: Transport, messages: list[torch.Tensor], name: str,
+                   stats: "StepStats", phase: str) -> list[torch.Tensor]:
+    """transport.alltoall of uint8 messages (ours to ourselves costs nothing)."""
+    stats.add_bytes(phase, sum(m.numel() for j, m in enumerate(messages) if j != transport.rank))
+    with stats.timer("comm_s"):
+        return transport.alltoall(messages, name)
 
 
 class StepStats:

@@ -37,23 +37,18 @@ from typing import Any
 
 import torch
 
-from ..api import Compressor, Memory, SparseAllreduce
-from ..payload import IdentityCodec, PayloadCodec
+from ..api import Compressor, Memory
+from ..payload import PayloadCodec
 from ..transport import Transport
-from ._sparse_collectives import StepStats, bruck_allgather
+from ._base import CodedAllreduce
+from ._sparse_collectives import StepStats, bruck_allgather, topk_indices
 from .schedules import srs_schedule
 
 PHASES = ("srs", "cross", "sag")
 H_GAIN = 0.5  # weight of the new estimate in the adaptive-h update (the rest is inertia)
 
 
-def _topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
-    if k >= values.numel():
-        return torch.arange(values.numel(), device=values.device)
-    return torch.topk(values.abs(), k, sorted=False).indices
-
-
-class SparDL(SparseAllreduce):
+class SparDL(CodedAllreduce):
     """The 'spardl' communicator. Use with memory 'global_residual' (or 'none' to drop residuals).
 
     density: rho in (0, 1]; teams: d, a divisor of the number of workers (1 disables the
@@ -62,7 +57,7 @@ class SparDL(SparseAllreduce):
 
     def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
                  density: float, teams: int = 1, codec: PayloadCodec | None = None):
-        super().__init__(compressor, memory, transport, density)
+        super().__init__(compressor, memory, transport, density, codec)
         if not isinstance(teams, int) or teams < 1 or transport.size % teams:
             divisors = [d for d in range(1, transport.size + 1) if transport.size % d == 0]
             raise ValueError(f"teams must divide the number of workers ({transport.size}): "
@@ -70,9 +65,7 @@ class SparDL(SparseAllreduce):
         self.teams = teams
         self.team_size = transport.size // teams
         self.team, self.q = divmod(transport.rank, self.team_size)
-        self.codec = codec or IdentityCodec()
         self._h: dict[str, int] = {}
-        self._steps: dict[str, int] = {}
 
     def block_layout(self, numel: int) -> tuple[int, int]:
         """(B, k_b): block length and per-block budget for a tensor of `numel` entries."""
@@ -88,8 +81,7 @@ class SparDL(SparseAllreduce):
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         stats = StepStats(PHASES)
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
+        step = self.next_step(name)
         n = tensor.numel()
         block, kb = self.block_layout(n)
         m = self.team_size
@@ -134,7 +126,7 @@ class SparDL(SparseAllreduce):
                 out_block = (self.q + rnd.distance + b) % m
                 in_block = (self.q + b) % m
                 with stats.timer("selection_s"):
-                    chosen = _topk_indices(blocks[out_block], kb)
+                    chosen = topk_indices(blocks[out_block], kb)
                 with stats.timer("coding_s"):
                     enc = self.codec.encode(blocks[out_block], chosen, f"{key}.srs.{out_block}")
                 blocks[out_block][enc.indices] -= enc.values
@@ -154,7 +146,7 @@ class SparDL(SparseAllreduce):
         final_key = f"{key}.final.{self.q}"
         if self.teams == 1:
             with stats.timer("selection_s"):
-                chosen = _topk_indices(own, kb)
+                chosen = topk_indices(own, kb)
             with stats.timer("coding_s"):
                 enc = self.codec.encode(own, chosen, final_key)
             own[enc.indices] -= enc.values
@@ -163,7 +155,7 @@ class SparDL(SparseAllreduce):
 
         h = self.h_for(name, numel)
         with stats.timer("selection_s"):
-            chosen = _topk_indices(own, h)
+            chosen = topk_indices(own, h)
         with stats.timer("coding_s"):
             piece = self.codec.encode(own, chosen, f"{key}.cross.{self.q}.{self.team}")
         own[piece.indices] -= piece.values
@@ -183,7 +175,7 @@ class SparDL(SparseAllreduce):
             candidates = torch.nonzero(member).reshape(-1)
             self._adapt_h(name, numel, candidates.numel())
             if candidates.numel() > kb:
-                candidates = candidates[_topk_indices(union[candidates], kb)]
+                candidates = candidates[topk_indices(union[candidates], kb)]
         with stats.timer("coding_s"):
             enc = self.codec.encode(union, candidates, final_key)
         if self.team == 0:
@@ -202,8 +194,8 @@ class SparDL(SparseAllreduce):
         self._h[name] = min(kb, max(math.ceil(kb / self.teams), new_h))
 
     def _own_state(self) -> dict[str, Any]:
-        return {"h": dict(self._h), "steps": dict(self._steps)}
+        return {**super()._own_state(), "h": dict(self._h)}
 
     def _load_own_state(self, state: dict[str, Any]) -> None:
+        super()._load_own_state(state)
         self._h = dict(state.get("h", {}))
-        self._steps = dict(state.get("steps", {}))

@@ -1,0 +1,32 @@
+"""The common base of the sparse all-reduces that code their messages."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..api import Compressor, Memory, SparseAllreduce
+from ..payload import IdentityCodec, PayloadCodec
+from ..transport import Transport
+
+
+class CodedAllreduce(SparseAllreduce):
+    """A sparse all-reduce whose sparse messages go through a PayloadCodec (identity unless
+    given; DeepReduce codecs plug in here), with a per-name step counter that keys shared
+    randomness and periodic work, and is part of the checkpointed state."""
+
+    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
+                 density: float, codec: PayloadCodec | None = None):
+        super().__init__(compressor, memory, transport, density)
+        self.codec = codec or IdentityCodec()
+        self._steps: dict[str, int] = {}
+
+    def next_step(self, name: str) -> int:
+        """This call's step number for `name` (0 first), advancing the counter."""
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        return step
+
+    def _own_state(self) -> dict[str, Any]:
+        return {"steps": dict(self._steps)}
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        self._steps = dict(state.get("steps", {}))
