@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scenarios
+from sparse_checks import check_consistent_and_conserving, check_exact_dense_average, run_steps
 from spardl_grace import grace_from_params, run_local
 from spardl_grace.communicators.schedules import bruck_rounds, srs_schedule
 from spardl_grace.payload import frame_overhead
-from spardl_grace.transport import CountingTransport
 
 
 # ---------------------------------------------------------------- the schedules, symbolically
@@ -76,37 +76,8 @@ def test_bruck_rounds_deliver_every_piece(g):
 
 # ------------------------------------------------------------------------- running SparDL
 def run_spardl(size, n, rho, teams=1, steps=3, integer_valued=False, counting=False):
-    def fn(t):
-        transport = CountingTransport(t) if counting else t
-        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
-                                 "communicator": "spardl", "compress_ratio": rho, "teams": teams},
-                                transport=transport)
-        g = torch.Generator().manual_seed(1000 + t.rank)
-        records = []
-        for _ in range(steps):
-            grad = torch.randn(n, generator=g)
-            if integer_valued:
-                grad = (grad * 8).round()
-            old = grc.memory.residuals.get("w", torch.zeros(n)).clone()
-            if counting:
-                transport.reset()
-            result = grc.step(grad, "w")
-            records.append({"compensated": grad + old, "result": result,
-                            "residual": grc.memory.residuals["w"].clone(),
-                            "stats": dict(grc.last_stats),
-                            "messages": list(transport.messages) if counting else None})
-        return records
-    return run_local(size, fn)
-
-
-def check_records(per_rank, size, atol=1e-4):
-    for step in range(len(per_rank[0])):
-        result = per_rank[0][step]["result"]
-        for rank in range(1, size):
-            assert torch.equal(per_rank[rank][step]["result"], result), f"rank {rank} step {step}"
-        compensated = sum(r[step]["compensated"] for r in per_rank)
-        kept = sum(r[step]["residual"] for r in per_rank)
-        assert torch.allclose(compensated, size * result + kept, atol=atol), f"step {step}"
+    params = {"communicator": "spardl", "compress_ratio": rho, "teams": teams}
+    return run_steps(size, params, n, steps, integer_valued, counting)
 
 
 CONSERVATION_CASES = [(size, d, n) for size in range(1, 13)
@@ -116,18 +87,13 @@ CONSERVATION_CASES = [(size, d, n) for size in range(1, 13)
 
 @pytest.mark.parametrize("size,teams,n", CONSERVATION_CASES)
 def test_conservation_and_identical_results(size, teams, n):
-    check_records(run_spardl(size, n, 0.05, teams), size)
+    check_consistent_and_conserving(run_spardl(size, n, 0.05, teams), size)
 
 
 @pytest.mark.parametrize("size,teams", [(1, 1), (3, 1), (4, 2), (6, 3), (5, 5), (8, 1)])
 def test_density_one_is_exactly_the_dense_average(size, teams):
     per_rank = run_spardl(size, 301, 1.0, teams, integer_valued=True)
-    for step in range(3):
-        total = sum(r[step]["compensated"] for r in per_rank)
-        # Integer-valued gradients: every partial sum is exact, whatever the order of additions.
-        assert torch.equal(per_rank[0][step]["result"] * size, total)
-        for r in per_rank:
-            assert torch.count_nonzero(r[step]["residual"]) == 0
+    check_exact_dense_average(per_rank, size)
 
 
 @pytest.mark.parametrize("size", [2, 3, 6, 7])

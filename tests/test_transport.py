@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import scenarios
-from spardl_grace.transport import (CountingTransport, PeerFailure, TransportError, TransportTimeout,
+from spardl_grace.transport import (CountingTransport, TransportError, TransportTimeout,
                                     default_transport, run_local)
 
 

@@ -1,0 +1,61 @@
+"""Running a sparse all-reduce for a few steps on the local backend, and the checks every
+sparse all-reduce must pass (shared by the SparDL and peer tests)."""
+from __future__ import annotations
+
+import torch
+
+from spardl_grace import grace_from_params, run_local
+from spardl_grace.transport import CountingTransport
+
+
+def run_steps(size, params, n=None, steps=3, integer_valued=False, counting=False, grads=None):
+    """Per rank, per step: compensated input, result, new residual, stats and (with counting)
+    the messages sent. Gradients are random (seeded per rank) or given as grads[rank][step]."""
+    def fn(t):
+        transport = CountingTransport(t) if counting else t
+        grc = grace_from_params({"memory": "global_residual", "compressor": "topk", **params},
+                                transport=transport)
+        g = torch.Generator().manual_seed(1000 + t.rank)
+        records = []
+        for step in range(steps):
+            if grads is not None:
+                grad = grads[t.rank][step].clone()
+            else:
+                grad = torch.randn(n, generator=g)
+                if integer_valued:
+                    grad = (grad * 8).round()
+            old = grc.memory.residuals.get("w", torch.zeros_like(grad)).clone()
+            if counting:
+                transport.reset()
+            result = grc.step(grad, "w")
+            records.append({"compensated": grad + old, "result": result,
+                            "residual": grc.memory.residuals["w"].clone(),
+                            "stats": dict(grc.last_stats),
+                            "messages": list(transport.messages) if counting else None,
+                            "grc": grc})
+        return records
+    return run_local(size, fn)
+
+
+def check_consistent_and_conserving(per_rank, size, atol=1e-4):
+    for step in range(len(per_rank[0])):
+        result = per_rank[0][step]["result"]
+        for rank in range(1, size):
+            assert torch.equal(per_rank[rank][step]["result"], result), f"rank {rank} step {step}"
+        compensated = sum(r[step]["compensated"] for r in per_rank)
+        kept = sum(r[step]["residual"] for r in per_rank)
+        assert torch.allclose(compensated, size * result + kept, atol=atol), f"step {step}"
+
+
+def check_exact_dense_average(per_rank, size):
+    """Every step's result is exactly the average of the compensated inputs and no residual is
+    left. Use integer-valued gradients: every partial sum is then exact, in any order."""
+    for step in range(len(per_rank[0])):
+        total = sum(r[step]["compensated"] for r in per_rank)
+        assert torch.equal(per_rank[0][step]["result"] * size, total), f"step {step}"
+        for r in per_rank:
+            assert torch.count_nonzero(r[step]["residual"]) == 0, f"step {step}"
+
+
+def sent_bytes(record, phases=None):
+    return sum(m.bytes_sent for m in record["messages"] if phases is None or m.phase in phases)
