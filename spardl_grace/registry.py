@@ -7,9 +7,15 @@
 Keys and defaults follow GRACE: compressor 'none', memory 'none', communicator 'allreduce',
 compress_ratio 0.01 (0.3 for dgc), threshold 0.01, quantum_num 127, momentum 0.9, lr 0.1,
 gradient_clipping False; plus world_size (checked against the transport), 'density' (alias of
-compress_ratio), 'teams' (SparDL's d, default 1), 'powersgd_rank' (default 1) and 'seed'
-(default 0, for shared random draws). Every unknown key, name or out-of-range value raises
-ValueError naming the valid choices.
+compress_ratio), 'teams' (SparDL's d, default 1), 'powersgd_rank' (default 1), 'seed'
+(default 0, for shared random draws), 'gtopk_residual' ('exact' or 'paper', default 'exact')
+and Ok-Topk's 'oktopk_warmup' (0), 'oktopk_threshold_interval' (32), 'oktopk_region_interval'
+(64), 'oktopk_local_scale' (1.012), 'oktopk_global_scale' (1.008). Every unknown key, name or
+out-of-range value raises ValueError naming the valid choices.
+
+Communicators: GRACE's allreduce, allgather, broadcast; the sparse all-reduces spardl, topka,
+topkdsa, gtopk, oktopk, gaussiank (compressor 'topk'; memory 'global_residual', 'residual'
+or 'none'); and 'dense' (compressor 'none', the uncompressed baseline).
 """
 from __future__ import annotations
 
@@ -18,8 +24,14 @@ from typing import Any, Callable
 from . import compressors as C
 from . import memories as M
 from .api import Communicator, Compressor, Memory
+from .communicators.dense import Dense
 from .communicators.grace import Allgather, Allreduce, Broadcast
+from .communicators.gtopk import RESIDUAL_RULES, GTopk
+from .communicators.oktopk import DEFAULTS as OKTOPK_DEFAULTS
+from .communicators.oktopk import OkTopk
 from .communicators.spardl import SparDL
+from .communicators.topka import GaussianK, TopkA
+from .communicators.topkdsa import TopkDSA
 from .transport import Transport, default_transport
 
 COMPRESSORS: dict[str, Callable[[dict], Compressor]] = {
@@ -49,7 +61,19 @@ MEMORIES: dict[str, Callable[[dict], Memory]] = {
 }
 
 GRACE_COMMUNICATORS = {"allreduce": Allreduce, "allgather": Allgather, "broadcast": Broadcast}
-SPARSE_COMMUNICATORS = {"spardl": SparDL}
+SPARSE_COMMUNICATORS: dict[str, Callable[[Compressor, Memory, Transport, dict], Communicator]] = {
+    "spardl": lambda c, m, t, p: SparDL(c, m, t, p["compress_ratio"], teams=p["teams"]),
+    "dense": lambda c, m, t, p: Dense(c, m, t),
+    "topka": lambda c, m, t, p: TopkA(c, m, t, p["compress_ratio"]),
+    "gaussiank": lambda c, m, t, p: GaussianK(c, m, t, p["compress_ratio"]),
+    "topkdsa": lambda c, m, t, p: TopkDSA(c, m, t, p["compress_ratio"]),
+    "gtopk": lambda c, m, t, p: GTopk(c, m, t, p["compress_ratio"], residual_rule=p["gtopk_residual"]),
+    "oktopk": lambda c, m, t, p: OkTopk(
+        c, m, t, p["compress_ratio"], warmup=p["oktopk_warmup"],
+        threshold_interval=p["oktopk_threshold_interval"],
+        region_interval=p["oktopk_region_interval"], local_scale=p["oktopk_local_scale"],
+        global_scale=p["oktopk_global_scale"]),
+}
 COMMUNICATORS = sorted([*GRACE_COMMUNICATORS, *SPARSE_COMMUNICATORS])
 
 # Compressors whose compressed tensors may be summed element-wise (all-reduce compatible).
@@ -61,6 +85,7 @@ DEFAULTS: dict[str, Any] = {
     "compressor": "none", "memory": "none", "communicator": "allreduce",
     "compress_ratio": None, "threshold": 0.01, "quantum_num": 127, "momentum": 0.9, "lr": 0.1,
     "gradient_clipping": False, "world_size": None, "teams": 1, "powersgd_rank": 1, "seed": 0,
+    "gtopk_residual": "exact", **{f"oktopk_{k}": v for k, v in OKTOPK_DEFAULTS.items()},
 }
 KNOWN_KEYS = set(DEFAULTS) | {"density"}
 
@@ -106,12 +131,26 @@ def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
     _in_range("teams", p["teams"], isinstance(p["teams"], int) and p["teams"] >= 1, "an int >= 1")
     _in_range("powersgd_rank", p["powersgd_rank"],
               isinstance(p["powersgd_rank"], int) and p["powersgd_rank"] >= 1, "an int >= 1")
+    _choice("gtopk_residual rule", p["gtopk_residual"], RESIDUAL_RULES)
+    for key in ("oktopk_warmup",):
+        _in_range(key, p[key], isinstance(p[key], int) and p[key] >= 0, "an int >= 0")
+    for key in ("oktopk_threshold_interval", "oktopk_region_interval"):
+        _in_range(key, p[key], isinstance(p[key], int) and p[key] >= 1, "an int >= 1")
+    for key in ("oktopk_local_scale", "oktopk_global_scale"):
+        _in_range(key, p[key], isinstance(p[key], (int, float)) and p[key] > 1, "a number > 1")
     _check_combination(p)
     return p
 
 
 def _check_combination(p: dict[str, Any]) -> None:
     comp, mem, comm = p["compressor"], p["memory"], p["communicator"]
+    if comm == "dense":
+        if comp not in ("none", "topk"):
+            raise ValueError(f"communicator 'dense' sends the uncompressed gradient: use compressor "
+                             f"'none' (or 'topk', ignored), got {comp!r}")
+        if mem not in SPARSE_MEMORIES:
+            raise ValueError(f"communicator 'dense' needs memory in {sorted(SPARSE_MEMORIES)}, got {mem!r}")
+        return
     if comm in SPARSE_COMMUNICATORS:
         if comp != "topk":
             raise ValueError(f"communicator {comm!r} selects entries itself (exact top-k per block): "
@@ -149,6 +188,4 @@ def grace_from_params(params: dict[str, Any], transport: Transport | None = None
     comm = p["communicator"]
     if comm in GRACE_COMMUNICATORS:
         return GRACE_COMMUNICATORS[comm](compressor, memory, transport)
-    if comm == "spardl":
-        return SparDL(compressor, memory, transport, p["compress_ratio"], teams=p["teams"])
-    raise AssertionError(f"communicator {comm!r} is validated but not constructed")
+    return SPARSE_COMMUNICATORS[comm](compressor, memory, transport, p)

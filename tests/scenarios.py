@@ -72,7 +72,10 @@ GRACE_CONFIGS = [
     ("terngrad", "none", "allgather"), ("signsgd", "none", "allgather"), ("signum", "none", "allgather"),
     ("efsignsgd", "efsignsgd", "allgather"), ("onebit", "residual", "allgather"),
     ("natural", "none", "allgather"), ("topk", "residual", "broadcast"), ("qsgd", "none", "broadcast"),
-    ("topk", "global_residual", "spardl"),
+    ("topk", "global_residual", "spardl"), ("none", "none", "dense"),
+    ("topk", "global_residual", "topka"), ("topk", "global_residual", "topkdsa"),
+    ("topk", "global_residual", "gtopk"), ("topk", "global_residual", "oktopk"),
+    ("topk", "global_residual", "gaussiank"),
 ]
 
 
@@ -115,19 +118,54 @@ SPARDL_CASES = [(0, 0.1, 1), (1, 0.5, 1), (37, 0.2, 1), (1000, 0.05, 1), (1000, 
                 (999, 0.03, "all"), (1000, 1.0, "all")]
 
 
+def sparse_steps(transport, params: dict, n: int, steps: int = 3, seed: int = 7,
+                 integer_valued: bool = False) -> list[dict]:
+    """A sparse all-reduce built from `params` for several steps on per-rank random gradients
+    of n entries: per step the input, old residual, result, new residual and statistics."""
+    grc = grace_from_params({"memory": "global_residual", "compressor": "topk", **params},
+                            transport=transport)
+    g = torch.Generator().manual_seed(seed + transport.rank)
+    records = []
+    for step in range(steps):
+        grad = torch.randn(n, generator=g)
+        if integer_valued:
+            grad = (grad * 8).round()
+        old = grc.memory.residuals.get("w", torch.zeros(n)).clone()
+        result = grc.step(grad, "w")
+        records.append({"step": step, "grad": grad, "old_residual": old, "result": result,
+                        "residual": grc.memory.residuals["w"].clone(), "stats": dict(grc.last_stats)})
+    return records
+
+
 def spardl_steps(transport, cases=SPARDL_CASES, steps: int = 3) -> list[dict]:
     """SparDL over several steps per case: inputs, old residuals, results and new residuals."""
     records = []
     for n, rho, teams in cases:
         d = transport.size if teams == "all" else teams
-        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
-                                 "communicator": "spardl", "compress_ratio": rho, "teams": d},
-                                transport=transport)
-        g = torch.Generator().manual_seed(7 + transport.rank)
-        for step in range(steps):
-            grad = torch.randn(n, generator=g)
-            old = grc.memory.residuals.get("w", torch.zeros(n)).clone()
-            result = grc.step(grad, "w")
-            records.append({"case": (n, rho, d), "step": step, "grad": grad, "old_residual": old,
-                            "result": result, "residual": grc.memory.residuals["w"].clone()})
+        params = {"communicator": "spardl", "compress_ratio": rho, "teams": d}
+        for rec in sparse_steps(transport, params, n, steps):
+            records.append({"case": (n, rho, d), **rec})
+    return records
+
+
+PEERS = ["dense", "topka", "topkdsa", "gtopk", "oktopk", "gaussiank"]
+PEER_CASES = [(0, 0.1), (1, 0.5), (37, 0.2), (1000, 0.05), (1000, 1.0)]
+
+
+def peer_params(comm: str, rho: float) -> dict:
+    params = {"communicator": comm, "compress_ratio": rho}
+    if comm == "dense":
+        params.update(compressor="none")
+    if comm == "oktopk":
+        params.update(oktopk_threshold_interval=2, oktopk_region_interval=3)
+    return params
+
+
+def peer_steps(transport, peers=PEERS, cases=PEER_CASES, steps: int = 4) -> list[dict]:
+    """Every peer sparse all-reduce on every case for several steps (see sparse_steps)."""
+    records = []
+    for comm in peers:
+        for n, rho in cases:
+            for rec in sparse_steps(transport, peer_params(comm, rho), n, steps):
+                records.append({"case": (comm, n, rho), **rec})
     return records

@@ -8,9 +8,6 @@ import scenarios
 from spardl_grace import grace_from_params, resolve_params, run_local
 from spardl_grace.communicators import Allgather, Broadcast
 
-GRACE_ONLY = [c for c in scenarios.GRACE_CONFIGS if c[2] != "spardl"]
-
-
 def assert_identical_replicas(results):
     for key, params in results[0].items():
         for rank, other in enumerate(results[1:], 1):

@@ -1,5 +1,12 @@
-"""Communicators: GRACE's (allreduce, allgather, broadcast) and the sparse all-reduces."""
+"""Communicators: GRACE's (allreduce, allgather, broadcast), SparDL, and the peer sparse
+all-reduces it is measured against (dense, topka, gaussiank, topkdsa, gtopk, oktopk)."""
+from .dense import Dense
 from .grace import Allgather, Allreduce, Broadcast
+from .gtopk import GTopk
+from .oktopk import OkTopk
 from .spardl import SparDL
+from .topka import GaussianK, TopkA
+from .topkdsa import TopkDSA
 
-__all__ = ["Allreduce", "Allgather", "Broadcast", "SparDL"]
+__all__ = ["Allreduce", "Allgather", "Broadcast", "SparDL", "Dense", "TopkA", "GaussianK",
+           "TopkDSA", "GTopk", "OkTopk"]

@@ -1,0 +1,27 @@
+"""'dense': the uncompressed baseline every sparse all-reduce is measured against.
+
+The compensated gradient (plain gradient unless a memory holds something) is summed with the
+transport's all-reduce (ring or tree, whatever the backend uses: 2n(P-1)/P words, 2(P-1)
+latency terms for a ring) and divided by P. Nothing is dropped, so the residual is zero.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..api import Compressor, Memory, SparseAllreduce
+from ..transport import Transport
+from ._sparse_collectives import StepStats, dense_average
+
+
+class Dense(SparseAllreduce):
+    """The 'dense' communicator: all-reduce, average, zero residual. Ignores the density."""
+
+    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
+                 density: float = 1.0):
+        super().__init__(compressor, memory, transport, density)
+
+    def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        stats = StepStats(("dense",))
+        result = dense_average(self.transport, tensor, f"dense.{name}", stats)
+        self.last_stats = stats.as_dict()
+        return result, torch.zeros_like(tensor)

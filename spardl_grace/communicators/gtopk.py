@@ -1,0 +1,249 @@
+"""'gtopk': gTop-k (Shi et al., ICDCS 2019), a global top-k by recursive-doubling merges, for
+any number of workers.
+
+Every worker selects its exact local top-k of |A| (k = floor(rho*n)). With p = 2^floor(log2 P):
+0. Fold (P not a power of two): rank p+e sends its set to rank e, which merges it.
+1. log2 p butterfly rounds among ranks 0..p-1: in round i, partners r and r xor 2^i exchange
+   their current sets (k entries, int32 indices into the whole tensor) and both merge them:
+   values on common indices are summed, and the top-k of the union (at most 2k) is kept. Both
+   partners merge in the same order, so after the last round all p hold identical bits.
+2. Final: the set is coded once more (identically on every rank), rank e sends it to rank
+   p+e, and every worker applies values / P.
+Cost per worker (p = P): log2 P latency terms and 2k log2 P words; otherwise two more
+messages for the folded pairs (the reference code instead reduces to rank 0 and broadcasts,
+about twice this, and fails unless P is a power of two).
+
+Residual rule ('exact', the default). A merge can drop a contribution at an intermediate
+round and select the same index later through another branch; the paper's rule (a worker
+keeps its selected values whose index is not in the final set) then loses that contribution.
+Here every worker tracks, for each entry of its current set, how much of the entry's value it
+contributed (its *credit*); entries dropped by a merge take their credits with them. The new
+residual is A minus the credit of the entries in the final set, so
+    sum_w A_w == P * result + sum_w residual_w
+holds exactly (up to float rounding) for every P. A lossy codec's error on a group's set is
+credited to the group's lowest rank, which keeps conservation with codecs too. rho = 1 gives
+the dense average.
+
+'paper' reproduces the original rule: residual = A with (locally selected AND finally
+selected) indices zeroed. It does not conserve mass when a contribution was dropped mid-way
+for an index that is finally selected; it exists to compare against the published algorithm.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..api import Compressor, Memory
+from ..payload import PayloadCodec
+from ..transport import Transport
+from ..payload import pack_frames, unpack_frames
+from ._base import CodedAllreduce
+from ._sparse_collectives import StepStats, k_for, realign, topk_indices
+
+PHASES = ("fold", "merge", "final")
+RESIDUAL_RULES = ("exact", "paper")
+
+
+class _Set(NamedTuple):
+    """A worker's current candidate set: sorted unique indices, values, this worker's credit,
+    and (on a fold partner) which entries still carry the folded worker's contribution."""
+    indices: torch.Tensor
+    values: torch.Tensor
+    credit: torch.Tensor
+    folded: torch.Tensor | None
+
+
+def _sorted(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.argsort(indices)
+    return indices[order], values[order]
+
+
+class GTopk(CodedAllreduce):
+    """The 'gtopk' communicator. residual_rule: 'exact' (conserves mass, default) or 'paper'."""
+
+    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
+                 density: float, residual_rule: str = "exact", codec: PayloadCodec | None = None):
+        super().__init__(compressor, memory, transport, density, codec)
+        if residual_rule not in RESIDUAL_RULES:
+            raise ValueError(f"unknown gtopk residual rule {residual_rule!r}; valid choices: "
+                             f"{', '.join(RESIDUAL_RULES)}")
+        self.residual_rule = residual_rule
+        size = transport.size
+        self.butterfly = 1 << (size.bit_length() - 1)   # p: the largest power of two <= P
+        self.extra = size - self.butterfly
+
+    def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        stats = StepStats(PHASES)
+        step = self.next_step(name)
+        n, me = tensor.numel(), self.transport.rank
+        if n == 0:
+            self.last_stats = stats.as_dict()
+            return tensor.clone(), tensor.clone()
+        key = f"{name}.{step}"
+        k = k_for(n, self.density)
+        with stats.timer("selection_s"):
+            chosen = torch.sort(topk_indices(tensor, k)).values
+        with stats.timer("coding_s"):
+            own = self.codec.encode(tensor, chosen, f"{key}.select.{me}")
+        own_idx, own_vals = _sorted(own.indices, own.values)
+        current = _Set(own_idx, own_vals, own_vals.clone(), None)
+
+        current = self._fold(current, own.data, n, k, key, stats)
+        final = None
+        for i in range(self.butterfly.bit_length() - 1):
+            if me < self.butterfly:
+                current = self._merge_round(current, i, n, k, key, stats)
+            else:  # folded ranks wait, but still enter every op (Horovod needs all ranks)
+                self._send_to(None, None, f"merge.{key}.{i}", stats, "merge")
+        if me < self.butterfly:
+            final = self._final_coding(current, n, key, stats)
+        final_idx, final_vals, credit = self._deliver(final, own_idx, own_vals, n, key, stats)
+
+        result = torch.zeros_like(tensor)
+        result[final_idx] = final_vals / self.transport.size
+        residual = tensor.clone()
+        if self.residual_rule == "exact":
+            residual[final_idx] -= credit
+        else:
+            residual[chosen[torch.isin(chosen, final_idx)]] = 0
+        self.last_stats = stats.as_dict()
+        return result, residual
+
+    def _send_to(self, peer: int | None, data: torch.Tensor | None, name: str,
+                 stats: StepStats, phase: str) -> torch.Tensor:
+        """One step of a pairwise exchange in which only some ranks take part: every rank calls
+        sendrecv (Horovod needs all ranks in every op); idle ranks talk to themselves."""
+        me = self.transport.rank
+        out = data if data is not None else torch.empty(0, dtype=torch.uint8)
+        peer = me if peer is None else peer
+        if peer != me:
+            stats.add_bytes(phase, out.numel())
+        with stats.timer("comm_s"):
+            return self.transport.sendrecv(out, dst=peer, src=peer, name=name)
+
+    def _fold(self, current: _Set, coded: torch.Tensor, n: int, k: int, key: str,
+              stats: StepStats) -> _Set:
+        if not self.extra:
+            return current
+        me, p = self.transport.rank, self.butterfly
+        if me >= p:
+            stats.entries["fold"] = current.indices.numel()
+            self._send_to(me - p, coded, f"fold.{key}", stats, "fold")
+            return current
+        if me < self.extra:
+            got = self._send_to(me + p, None, f"fold.{key}", stats, "fold")
+            with stats.timer("coding_s"):
+                idx, vals = _sorted(*self.codec.decode(got, n, current.values.dtype,
+                                                       current.values.device, f"{key}.select.{me + p}"))
+            ones = torch.ones(idx.numel(), dtype=torch.bool, device=idx.device)
+            return self._merge(current._replace(folded=torch.zeros_like(current.indices, dtype=torch.bool)),
+                               _Set(idx, vals, torch.zeros_like(vals), ones), k, stats)
+        self._send_to(None, None, f"fold.{key}", stats, "fold")
+        return current
+
+    def _merge_round(self, current: _Set, i: int, n: int, k: int, key: str,
+                     stats: StepStats) -> _Set:
+        me = self.transport.rank
+        partner = me ^ (1 << i)
+        leader, partner_leader = (me >> i) << i, (partner >> i) << i
+        with stats.timer("coding_s"):
+            enc = self.codec.encode_sparse(current.indices, current.values, n,
+                                           f"{key}.merge.{i}.{leader}")
+        mine = self._after_coding(current, enc.indices, enc.values, leader == me)
+        stats.entries["merge"] += enc.indices.numel()
+        got = self._send_to(partner, enc.data, f"merge.{key}.{i}", stats, "merge")
+        with stats.timer("coding_s"):
+            idx, vals = _sorted(*self.codec.decode(got, n, current.values.dtype,
+                                                   current.values.device,
+                                                   f"{key}.merge.{i}.{partner_leader}"))
+        theirs = _Set(idx, vals, torch.zeros_like(vals),
+                      None if current.folded is None else torch.zeros_like(idx, dtype=torch.bool))
+        low, high = (mine, theirs) if me < partner else (theirs, mine)
+        return self._merge(low, high, k, stats)
+
+    @staticmethod
+    def _after_coding(current: _Set, idx: torch.Tensor, vals: torch.Tensor,
+                      is_leader: bool) -> _Set:
+        """Our set as the receiver decodes it; the leader's credit absorbs the coding error."""
+        idx, vals = _sorted(idx, vals)
+        credit = realign(current.indices, current.credit, idx)
+        if is_leader:
+            credit += vals - realign(current.indices, current.values, idx)
+        folded = None
+        if current.folded is not None:
+            folded = realign(current.indices, current.folded.to(torch.uint8), idx).bool()
+        return _Set(idx, vals, credit, folded)
+
+    @staticmethod
+    def _merge(low: _Set, high: _Set, k: int, stats: StepStats) -> _Set:
+        """Sum two sets on common indices and keep the top-k of the union. Identical on both
+        partners: the same operands in the same order (low rank's side first)."""
+        with stats.timer("selection_s"):
+            cat_idx = torch.cat([low.indices, high.indices])
+            union, inverse = torch.unique(cat_idx, sorted=True, return_inverse=True)
+            values = torch.zeros(union.numel(), dtype=low.values.dtype, device=union.device)
+            values.index_add_(0, inverse, torch.cat([low.values, high.values]))
+            credit = torch.zeros_like(values)
+            credit.index_add_(0, inverse, torch.cat([low.credit, high.credit]))
+            folded = None
+            if low.folded is not None:
+                flags = torch.cat([low.folded, high.folded]).to(torch.int32)
+                folded = torch.zeros(union.numel(), dtype=torch.int32, device=union.device)
+                folded = folded.index_add_(0, inverse, flags) > 0
+            keep = torch.sort(topk_indices(values, k)).values
+        return _Set(union[keep], values[keep], credit[keep],
+                    None if folded is None else folded[keep])
+
+    def _final_coding(self, current: _Set, n: int, key: str, stats: StepStats) -> tuple:
+        with stats.timer("coding_s"):
+            enc = self.codec.encode_sparse(current.indices, current.values, n, f"{key}.final")
+        final = self._after_coding(current, enc.indices, enc.values, self.transport.rank == 0)
+        return final, enc.data
+
+    def _deliver(self, final, own_idx: torch.Tensor, own_vals: torch.Tensor, n: int, key: str,
+                 stats: StepStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(final indices, final values, our credit on them) on every rank: the fold partners
+        send the coded final set and a bitmask of the entries that carry the folded worker's
+        contribution, whose credit is then its own coded value there."""
+        me, p = self.transport.rank, self.butterfly
+        if not self.extra:
+            final_set, _ = final
+            return final_set.indices, final_set.values, final_set.credit
+        if me < p:
+            final_set, data = final
+            if me < self.extra:
+                message = pack_frames([data, _pack_bits(final_set.folded).to(data.device)])
+                stats.entries["final"] = final_set.indices.numel()
+                self._send_to(me + p, message, f"final.{key}", stats, "final")
+            else:
+                self._send_to(None, None, f"final.{key}", stats, "final")
+            return final_set.indices, final_set.values, final_set.credit
+        got = self._send_to(me - p, None, f"final.{key}", stats, "final")
+        idx, vals, folded = self._split_final(got, n, own_vals.dtype, own_vals.device, key)
+        credit = torch.where(folded, realign(own_idx, own_vals, idx), torch.zeros_like(vals))
+        return idx, vals, credit
+
+    def _split_final(self, message: torch.Tensor, n: int, dtype: torch.dtype,
+                     device: torch.device, key: str):
+        """(indices, values, folded mask) from the final message: the coded set and the mask."""
+        data, mask = unpack_frames(message)
+        idx, vals = _sorted(*self.codec.decode(data, n, dtype, device, f"{key}.final"))
+        if mask.numel() != math.ceil(idx.numel() / 8):
+            raise ValueError(f"gtopk final message: {mask.numel()} mask bytes for {idx.numel()} entries")
+        return idx, vals, _unpack_bits(mask.cpu(), idx.numel()).to(device)
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool vector as little-endian bits, ceil(len/8) bytes."""
+    padded = torch.zeros(math.ceil(mask.numel() / 8) * 8, dtype=torch.uint8, device=mask.device)
+    padded[:mask.numel()] = mask.to(torch.uint8)
+    weights = (1 << torch.arange(8, dtype=torch.uint8, device=mask.device))
+    return (padded.view(-1, 8) * weights).sum(dim=1).to(torch.uint8).cpu()
+
+
+def _unpack_bits(data: torch.Tensor, count: int) -> torch.Tensor:
+    weights = (1 << torch.arange(8, dtype=torch.uint8))
+    bits = (data.view(-1, 1) & weights) != 0
+    return bits.reshape(-1)[:count]
