@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from deepreduce_compat.codec import DEFAULTS as DEEPREDUCE_DEFAULTS
+from deepreduce_compat.codec import codec_from_params
+from deepreduce_compat.codec import resolve as resolve_deepreduce
+
 from . import compressors as C
 from . import memories as M
 from .api import Communicator, Compressor, Memory
@@ -61,18 +65,20 @@ MEMORIES: dict[str, Callable[[dict], Memory]] = {
 }
 
 GRACE_COMMUNICATORS = {"allreduce": Allreduce, "allgather": Allgather, "broadcast": Broadcast}
-SPARSE_COMMUNICATORS: dict[str, Callable[[Compressor, Memory, Transport, dict], Communicator]] = {
-    "spardl": lambda c, m, t, p: SparDL(c, m, t, p["compress_ratio"], teams=p["teams"]),
-    "dense": lambda c, m, t, p: Dense(c, m, t),
-    "topka": lambda c, m, t, p: TopkA(c, m, t, p["compress_ratio"]),
-    "gaussiank": lambda c, m, t, p: GaussianK(c, m, t, p["compress_ratio"]),
-    "topkdsa": lambda c, m, t, p: TopkDSA(c, m, t, p["compress_ratio"]),
-    "gtopk": lambda c, m, t, p: GTopk(c, m, t, p["compress_ratio"], residual_rule=p["gtopk_residual"]),
-    "oktopk": lambda c, m, t, p: OkTopk(
+SPARSE_COMMUNICATORS: dict[str, Callable[..., Communicator]] = {
+    "spardl": lambda c, m, t, p, codec: SparDL(c, m, t, p["compress_ratio"], teams=p["teams"],
+                                               codec=codec),
+    "dense": lambda c, m, t, p, codec: Dense(c, m, t),
+    "topka": lambda c, m, t, p, codec: TopkA(c, m, t, p["compress_ratio"], codec=codec),
+    "gaussiank": lambda c, m, t, p, codec: GaussianK(c, m, t, p["compress_ratio"], codec=codec),
+    "topkdsa": lambda c, m, t, p, codec: TopkDSA(c, m, t, p["compress_ratio"], codec=codec),
+    "gtopk": lambda c, m, t, p, codec: GTopk(c, m, t, p["compress_ratio"],
+                                             residual_rule=p["gtopk_residual"], codec=codec),
+    "oktopk": lambda c, m, t, p, codec: OkTopk(
         c, m, t, p["compress_ratio"], warmup=p["oktopk_warmup"],
         threshold_interval=p["oktopk_threshold_interval"],
         region_interval=p["oktopk_region_interval"], local_scale=p["oktopk_local_scale"],
-        global_scale=p["oktopk_global_scale"]),
+        global_scale=p["oktopk_global_scale"], codec=codec),
 }
 COMMUNICATORS = sorted([*GRACE_COMMUNICATORS, *SPARSE_COMMUNICATORS])
 
@@ -87,7 +93,7 @@ DEFAULTS: dict[str, Any] = {
     "gradient_clipping": False, "world_size": None, "teams": 1, "powersgd_rank": 1, "seed": 0,
     "gtopk_residual": "exact", **{f"oktopk_{k}": v for k, v in OKTOPK_DEFAULTS.items()},
 }
-KNOWN_KEYS = set(DEFAULTS) | {"density"}
+KNOWN_KEYS = set(DEFAULTS) | set(DEEPREDUCE_DEFAULTS) | {"density"}
 
 
 def _choice(kind: str, value: Any, valid) -> str:
@@ -138,12 +144,16 @@ def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
         _in_range(key, p[key], isinstance(p[key], int) and p[key] >= 1, "an int >= 1")
     for key in ("oktopk_local_scale", "oktopk_global_scale"):
         _in_range(key, p[key], isinstance(p[key], (int, float)) and p[key] > 1, "a number > 1")
+    p.update(resolve_deepreduce(p))
     _check_combination(p)
     return p
 
 
 def _check_combination(p: dict[str, Any]) -> None:
     comp, mem, comm = p["compressor"], p["memory"], p["communicator"]
+    if p["deepreduce"] is not None and comm == "dense":
+        raise ValueError("communicator 'dense' sends no sparse payload for DeepReduce to code: "
+                         "set 'deepreduce' to None or choose a sparse communicator")
     if comm == "dense":
         if comp not in ("none", "topk"):
             raise ValueError(f"communicator 'dense' sends the uncompressed gradient: use compressor "
@@ -188,4 +198,4 @@ def grace_from_params(params: dict[str, Any], transport: Transport | None = None
     comm = p["communicator"]
     if comm in GRACE_COMMUNICATORS:
         return GRACE_COMMUNICATORS[comm](compressor, memory, transport)
-    return SPARSE_COMMUNICATORS[comm](compressor, memory, transport, p)
+    return SPARSE_COMMUNICATORS[comm](compressor, memory, transport, p, codec_from_params(p))

@@ -1,0 +1,58 @@
+"""Fixed-width bit packing of non-negative integers, vectorised (no loop over elements), and
+the small int32 headers of codec sections."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from spardl_grace.transport.base import as_bytes, from_bytes
+
+MAX_WIDTH = 63
+
+
+def width_for(max_value: int) -> int:
+    """Bits needed to store every integer in 0..max_value (0 for max_value 0)."""
+    return max(0, int(max_value).bit_length())
+
+
+def pack(values: torch.Tensor, width: int) -> torch.Tensor:
+    """`values` (non-negative, each < 2**width) as ceil(len*width/8) uint8, little-endian bits."""
+    if not 0 <= width <= MAX_WIDTH:
+        raise ValueError(f"bit width must be in 0..{MAX_WIDTH}, got {width}")
+    if width == 0 or values.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
+    shifts = torch.arange(width, device=values.device, dtype=torch.int64)
+    bits = ((values.to(torch.int64).reshape(-1, 1) >> shifts) & 1).reshape(-1)
+    padded = torch.zeros(math.ceil(bits.numel() / 8) * 8, dtype=torch.int64, device=values.device)
+    padded[:bits.numel()] = bits
+    weights = 1 << torch.arange(8, device=values.device, dtype=torch.int64)
+    return (padded.view(-1, 8) * weights).sum(dim=1).to(torch.uint8)
+
+
+def packed_size(count: int, width: int) -> int:
+    return math.ceil(count * width / 8)
+
+
+def unpack(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """Inverse of pack: `count` int64 values of `width` bits; ValueError if data is too short."""
+    if data.numel() != packed_size(count, width):
+        raise ValueError(f"{data.numel()} bytes cannot hold exactly {count} values of {width} bits")
+    if width == 0 or count == 0:
+        return torch.zeros(count, dtype=torch.int64, device=data.device)
+    shifts = torch.arange(8, device=data.device, dtype=torch.int64)
+    bits = ((data.to(torch.int64).reshape(-1, 1) >> shifts) & 1).reshape(-1)[: count * width]
+    weights = 1 << torch.arange(width, device=data.device, dtype=torch.int64)
+    return (bits.view(count, width) * weights).sum(dim=1)
+
+
+def u32s(values: list[int], device) -> torch.Tensor:
+    """Small header integers as int32 bytes."""
+    return as_bytes(torch.tensor(values, dtype=torch.int64).to(torch.int32)).to(device)
+
+
+def read_u32s(section: torch.Tensor, n: int) -> list[int]:
+    """The first n int32 header integers of a section; ValueError if it is shorter."""
+    if section.numel() < 4 * n:
+        raise ValueError("codec section shorter than its header")
+    return from_bytes(section[:4 * n].cpu().clone(), torch.int32).tolist()

@@ -1,0 +1,192 @@
+"""Index codecs: a sorted set of unique positions in a block of `size` entries, as bytes.
+
+Every codec returns, with its bytes, exactly the positions the receiver will decode (sorted):
+the lossless codecs return the input; a Bloom filter may return other positions (its false
+positives, or a subset chosen by a policy), and the caller then sends the values found at
+those positions, so nothing is lost that the residual does not keep.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from spardl_grace.transport.base import as_bytes, from_bytes
+from spardl_grace.utils.seeding import generator, stable_seed
+
+from . import bitpack
+
+PRIME = 2**31 - 1  # hash modulus: a*x + b stays below 2**62 for x < 2**31
+POLICIES = ("p0", "leftmost", "random", "conflict_sets")
+
+
+class IndexCodec:
+    """Codes sorted unique int64 positions in range(size)."""
+    name = "index"
+    code = 0
+
+    def encode(self, indices: torch.Tensor, size: int, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(uint8 section, the sorted positions the receiver will decode)."""
+        raise NotImplementedError
+
+    def decode(self, section: torch.Tensor, count: int, size: int, key: str) -> torch.Tensor:
+        """`count` sorted int64 positions; ValueError on a malformed section."""
+        raise NotImplementedError
+
+
+def _check_positions(positions: torch.Tensor, count: int, size: int, what: str) -> torch.Tensor:
+    if positions.numel() != count:
+        raise ValueError(f"{what} decoded {positions.numel()} positions, the header says {count}")
+    if count and (int(positions[0]) < 0 or int(positions[-1]) >= size
+                  or bool((torch.diff(positions) <= 0).any())):
+        raise ValueError(f"{what} decoded positions outside 0..{size - 1} or not increasing")
+    return positions
+
+
+class RawIndex(IndexCodec):
+    """'none': int32 positions, 4 bytes each."""
+    name, code = "none", 0
+
+    def encode(self, indices, size, key):
+        return as_bytes(indices.to(torch.int32)), indices
+
+    def decode(self, section, count, size, key):
+        if section.numel() != 4 * count:
+            raise ValueError(f"raw index section of {section.numel()} bytes for {count} positions")
+        positions = from_bytes(section.clone(), torch.int32).to(torch.int64)
+        return _check_positions(positions, count, size, "raw index")
+
+
+class DeltaIndex(IndexCodec):
+    """'delta': the gaps between consecutive positions, bit-packed at the width of the largest."""
+    name, code = "delta", 1
+
+    def encode(self, indices, size, key):
+        gaps = torch.diff(indices, prepend=indices.new_tensor([-1])) - 1
+        width = bitpack.width_for(int(gaps.max())) if gaps.numel() else 0
+        return torch.cat([bitpack.u32s([width], indices.device), bitpack.pack(gaps, width)]), indices
+
+    def decode(self, section, count, size, key):
+        (width,) = bitpack.read_u32s(section, 1)
+        if not 0 <= width <= 32:
+            raise ValueError(f"delta index width {width} is out of range")
+        gaps = bitpack.unpack(section[4:], count, width)
+        return _check_positions(torch.cumsum(gaps + 1, 0) - 1, count, size, "delta index")
+
+
+class RunLengthIndex(IndexCodec):
+    """'rle': the block as a bitmap, coded as alternating run lengths (zeros first), bit-packed."""
+    name, code = "rle", 2
+
+    def encode(self, indices, size, key):
+        if indices.numel() == 0:
+            return bitpack.u32s([0, 0], indices.device), indices
+        starts = torch.ones(indices.numel(), dtype=torch.bool, device=indices.device)
+        starts[1:] = torch.diff(indices) != 1
+        run_starts = indices[starts]
+        ones = torch.diff(torch.nonzero(starts).reshape(-1),
+                          append=indices.new_tensor([indices.numel()]))
+        previous_end = torch.cat([indices.new_zeros(1), run_starts[:-1] + ones[:-1]])
+        zeros = run_starts - previous_end
+        runs = torch.stack([zeros, ones], dim=1).reshape(-1)
+        width = bitpack.width_for(int(runs.max()))
+        return torch.cat([bitpack.u32s([width, runs.numel() // 2], indices.device),
+                          bitpack.pack(runs, width)]), indices
+
+    def decode(self, section, count, size, key):
+        width, pairs = bitpack.read_u32s(section, 2)
+        if not 0 <= width <= 32 or pairs < 0:
+            raise ValueError(f"rle index header (width {width}, {pairs} runs) is out of range")
+        runs = bitpack.unpack(section[8:], 2 * pairs, width).view(-1, 2)
+        zeros, ones = runs[:, 0], runs[:, 1]
+        starts = torch.cumsum(zeros + torch.cat([ones.new_zeros(1), ones[:-1]]), 0)
+        if int(ones.sum()) != count:
+            raise ValueError(f"rle index runs hold {int(ones.sum())} positions, the header says {count}")
+        offsets = torch.arange(count, device=section.device) - torch.repeat_interleave(
+            torch.cumsum(ones, 0) - ones, ones)
+        positions = torch.repeat_interleave(starts, ones) + offsets
+        return _check_positions(positions, count, size, "rle index")
+
+
+class BloomIndex(IndexCodec):
+    """'bloom': a Bloom filter of the positions. m = ceil(-r ln(eps) / ln(2)^2) bits and
+    h = ceil(log2(1/eps)) hash functions h_i(x) = ((a_i x + b_i) mod (2^31 - 1)) mod m, with
+    (a_i, b_i) drawn from `seed`: every rank derives the same functions, nothing is shipped.
+    eps is `fpr`, or 0.1 r/size when None. The receiver queries every position of the block;
+    the positives contain the r true positions plus about eps (size - r) false ones. Policies:
+      p0            all positives (exact reconstruction, values also sent for false positives);
+      leftmost      the first r positives;
+      random        r positives drawn with a generator keyed by (seed, message key);
+      conflict_sets r positives, preferring those whose smallest conflict set (the positives
+                    sharing one of their bits) is smallest: a positive alone on a bit is surely
+                    true. A vectorised form of DeepReduce's greedy conflict-set policy.
+    """
+    name, code = "bloom", 3
+
+    def __init__(self, policy: str = "p0", fpr: float | None = None, seed: int = 0):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown bloom policy {policy!r}; valid choices: {', '.join(POLICIES)}")
+        if fpr is not None and not 0 < fpr < 1:
+            raise ValueError(f"fpr must be in (0, 1), got {fpr!r}")
+        self.policy, self.fpr, self.seed = policy, fpr, seed
+
+    def geometry(self, count: int, size: int) -> tuple[int, int]:
+        """(m bits, h hash functions) for `count` positions in a block of `size`."""
+        eps = self.fpr if self.fpr is not None else min(0.5, 0.1 * max(count, 1) / max(size, 1))
+        bits = max(8, math.ceil(-max(count, 1) * math.log(eps) / math.log(2) ** 2))
+        return bits, max(1, math.ceil(math.log2(1 / eps)))
+
+    def _hashes(self, x: torch.Tensor, bits: int, hashes: int) -> torch.Tensor:
+        """(hashes, len(x)) bit positions."""
+        g = torch.Generator().manual_seed(stable_seed("bloom", self.seed))
+        a = torch.randint(1, PRIME, (hashes, 1), generator=g, dtype=torch.int64).to(x.device)
+        b = torch.randint(0, PRIME, (hashes, 1), generator=g, dtype=torch.int64).to(x.device)
+        return ((a * x.reshape(1, -1) + b) % PRIME) % bits
+
+    def _positives(self, bitmap: torch.Tensor, size: int, hashes: int) -> torch.Tensor:
+        everything = torch.arange(size, device=bitmap.device, dtype=torch.int64)
+        hit = torch.ones(size, dtype=torch.bool, device=bitmap.device)
+        for row in self._hashes(everything, bitmap.numel(), hashes):  # loop over hash functions
+            hit &= bitmap[row]
+        return everything[hit]
+
+    def _choose(self, positives: torch.Tensor, count: int, bits: int, hashes: int,
+                key: str) -> torch.Tensor:
+        if self.policy == "p0" or positives.numel() <= count:
+            return positives
+        if self.policy == "leftmost":
+            return positives[:count]
+        if self.policy == "random":
+            g = generator("cpu", "bloom-random", self.seed, key)
+            pick = torch.randperm(positives.numel(), generator=g)[:count].to(positives.device)
+            return torch.sort(positives[pick]).values
+        rows = self._hashes(positives, bits, hashes)
+        n = positives.numel()
+        ranks = torch.arange(n, device=rows.device)
+        # A positive belongs once to the conflict set of each distinct bit it sets.
+        pairs = torch.unique((rows * n + ranks).reshape(-1))
+        group_size = torch.bincount(pairs // n, minlength=bits)
+        priority = group_size[rows].min(dim=0).values
+        order = torch.argsort(priority * n + ranks)
+        return torch.sort(positives[order[:count]]).values
+
+    def encode(self, indices, size, key):
+        bits, hashes = self.geometry(indices.numel(), size)
+        bitmap = torch.zeros(bits, dtype=torch.bool, device=indices.device)
+        if indices.numel():
+            bitmap[self._hashes(indices, bits, hashes).reshape(-1)] = True
+        positives = self._positives(bitmap, size, hashes)
+        chosen = self._choose(positives, indices.numel(), bits, hashes, key)
+        header = bitpack.u32s([POLICIES.index(self.policy), hashes, bits, indices.numel()], indices.device)
+        return torch.cat([header, bitpack.pack(bitmap.to(torch.int64), 1)]), chosen
+
+    def decode(self, section, count, size, key):
+        policy, hashes, bits, true_count = bitpack.read_u32s(section, 4)
+        if policy != POLICIES.index(self.policy):
+            raise ValueError(f"bloom message uses policy {policy}, this codec {self.policy!r}")
+        if not 1 <= hashes <= 64 or bits < 8 or true_count < 0 or true_count > size:
+            raise ValueError(f"bloom header (h {hashes}, m {bits}, r {true_count}) is out of range")
+        bitmap = bitpack.unpack(section[16:], bits, 1).to(torch.bool)
+        positives = self._positives(bitmap, size, hashes)
+        chosen = self._choose(positives, true_count, bits, hashes, key)
+        return _check_positions(chosen, count, size, "bloom index")
