@@ -1,7 +1,6 @@
 """Building blocks shared by the sparse all-reduces."""
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -14,18 +13,6 @@ from ..transport import Transport
 from .schedules import bruck_rounds
 
 RADIX_BITS = 4  # digit width of the distributed radix select: 16 counters per round
-
-
-def k_for(numel: int, density: float) -> int:
-    """Entries a worker selects from `numel`: floor(numel * density), at least 1, at most numel."""
-    return min(numel, max(1, math.floor(numel * density))) if numel else 0
-
-
-def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the k entries of largest magnitude (all positions when k >= numel)."""
-    if k >= values.numel():
-        return torch.arange(values.numel(), device=values.device)
-    return torch.topk(values.abs(), k, sorted=False).indices
 
 
 def realign(indices: torch.Tensor, values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -36,11 +36,11 @@ from typing import NamedTuple
 import torch
 
 from ..api import Compressor, Memory
-from ..payload import PayloadCodec
+from ..compressors._sparse import count_for_ratio, topk_abs
+from ..payload import PayloadCodec, pack_frames, unpack_frames
 from ..transport import Transport
-from ..payload import pack_frames, unpack_frames
 from ._base import CodedAllreduce
-from ._sparse_collectives import StepStats, k_for, realign, topk_indices
+from ._sparse_collectives import StepStats, realign
 
 PHASES = ("fold", "merge", "final")
 RESIDUAL_RULES = ("exact", "paper")
@@ -82,9 +82,9 @@ class GTopk(CodedAllreduce):
             self.last_stats = stats.as_dict()
             return tensor.clone(), tensor.clone()
         key = f"{name}.{step}"
-        k = k_for(n, self.density)
+        k = count_for_ratio(n, self.density)
         with stats.timer("selection_s"):
-            chosen = torch.sort(topk_indices(tensor, k)).values
+            chosen = torch.sort(topk_abs(tensor, k)).values
         with stats.timer("coding_s"):
             own = self.codec.encode(tensor, chosen, f"{key}.select.{me}")
         own_idx, own_vals = _sorted(own.indices, own.values)
@@ -192,7 +192,7 @@ class GTopk(CodedAllreduce):
                 flags = torch.cat([low.folded, high.folded]).to(torch.int32)
                 folded = torch.zeros(union.numel(), dtype=torch.int32, device=union.device)
                 folded = folded.index_add_(0, inverse, flags) > 0
-            keep = torch.sort(topk_indices(values, k)).values
+            keep = torch.sort(topk_abs(values, k)).values
         return _Set(union[keep], values[keep], credit[keep],
                     None if folded is None else folded[keep])
 

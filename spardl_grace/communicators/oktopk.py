@@ -41,11 +41,12 @@ from typing import Any
 import torch
 
 from ..api import Compressor, Memory
+from ..compressors._sparse import count_for_ratio
 from ..payload import PayloadCodec
 from ..transport import Transport
 from ._base import CodedAllreduce
 from ._sparse_collectives import (StepStats, allgather_bytes, alltoall_bytes, dense_average,
-                                  global_kth_magnitude, k_for)
+                                  global_kth_magnitude)
 
 PHASES = ("dense", "reduce", "gather", "threshold", "regions")
 LOCAL_BAND = (2 / 3, 5 / 4)    # nudge theta_local when the local count leaves [2k/3, 5k/4]
@@ -124,7 +125,7 @@ class OkTopk(CodedAllreduce):
             self.last_stats = stats.as_dict()
             return result, torch.zeros_like(tensor)
         t = step - self.warmup
-        k = k_for(n, self.density)
+        k = count_for_ratio(n, self.density)
         everything = k >= n
 
         with stats.timer("selection_s"):

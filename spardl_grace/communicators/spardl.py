@@ -38,10 +38,11 @@ from typing import Any
 import torch
 
 from ..api import Compressor, Memory
+from ..compressors._sparse import topk_abs
 from ..payload import PayloadCodec
 from ..transport import Transport
 from ._base import CodedAllreduce
-from ._sparse_collectives import StepStats, bruck_allgather, topk_indices
+from ._sparse_collectives import StepStats, bruck_allgather
 from .schedules import srs_schedule
 
 PHASES = ("srs", "cross", "sag")
@@ -126,7 +127,7 @@ class SparDL(CodedAllreduce):
                 out_block = (self.q + rnd.distance + b) % m
                 in_block = (self.q + b) % m
                 with stats.timer("selection_s"):
-                    chosen = topk_indices(blocks[out_block], kb)
+                    chosen = topk_abs(blocks[out_block], kb)
                 with stats.timer("coding_s"):
                     enc = self.codec.encode(blocks[out_block], chosen, f"{key}.srs.{out_block}")
                 blocks[out_block][enc.indices] -= enc.values
@@ -146,7 +147,7 @@ class SparDL(CodedAllreduce):
         final_key = f"{key}.final.{self.q}"
         if self.teams == 1:
             with stats.timer("selection_s"):
-                chosen = topk_indices(own, kb)
+                chosen = topk_abs(own, kb)
             with stats.timer("coding_s"):
                 enc = self.codec.encode(own, chosen, final_key)
             own[enc.indices] -= enc.values
@@ -155,7 +156,7 @@ class SparDL(CodedAllreduce):
 
         h = self.h_for(name, numel)
         with stats.timer("selection_s"):
-            chosen = topk_indices(own, h)
+            chosen = topk_abs(own, h)
         with stats.timer("coding_s"):
             piece = self.codec.encode(own, chosen, f"{key}.cross.{self.q}.{self.team}")
         own[piece.indices] -= piece.values
@@ -175,7 +176,7 @@ class SparDL(CodedAllreduce):
             candidates = torch.nonzero(member).reshape(-1)
             self._adapt_h(name, numel, candidates.numel())
             if candidates.numel() > kb:
-                candidates = candidates[topk_indices(union[candidates], kb)]
+                candidates = candidates[topk_abs(union[candidates], kb)]
         with stats.timer("coding_s"):
             enc = self.codec.encode(union, candidates, final_key)
         if self.team == 0:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ..compressors._sparse import count_for_ratio, topk_abs
 from ._base import CodedAllreduce
-from ._sparse_collectives import StepStats, allgather_bytes, k_for, topk_indices
+from ._sparse_collectives import StepStats, allgather_bytes
 
 PHASES = ("gather",)
 # Gaussian-k's refinement (reference code): up to 3 corrections while the count is outside
@@ -31,7 +32,7 @@ class TopkA(CodedAllreduce):
 
     def select(self, tensor: torch.Tensor, k: int) -> torch.Tensor:
         """int64 positions this worker sends: the exact top-k of |tensor|."""
-        return topk_indices(tensor, k)
+        return topk_abs(tensor, k)
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         stats = StepStats(PHASES)
@@ -44,7 +45,7 @@ class TopkA(CodedAllreduce):
             return result, residual
         key = f"{name}.{step}"
         with stats.timer("selection_s"):
-            chosen = self.select(tensor, k_for(n, self.density))
+            chosen = self.select(tensor, count_for_ratio(n, self.density))
         with stats.timer("coding_s"):
             enc = self.codec.encode(tensor, chosen, f"{key}.{self.transport.rank}")
         residual[enc.indices] -= enc.values
@@ -81,4 +82,4 @@ class GaussianK(TopkA):
             else:
                 break
         chosen = torch.nonzero(magnitude > threshold).reshape(-1)
-        return chosen if chosen.numel() else topk_indices(tensor, 1)
+        return chosen if chosen.numel() else topk_abs(tensor, 1)

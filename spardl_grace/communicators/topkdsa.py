@@ -22,9 +22,10 @@ import math
 
 import torch
 
+from ..compressors._sparse import count_for_ratio, topk_abs
 from ..transport.base import as_bytes, from_bytes
 from ._base import CodedAllreduce
-from ._sparse_collectives import StepStats, allgather_bytes, alltoall_bytes, k_for, topk_indices
+from ._sparse_collectives import StepStats, allgather_bytes, alltoall_bytes
 
 PHASES = ("reduce", "gather")
 
@@ -46,7 +47,7 @@ class TopkDSA(CodedAllreduce):
         key = f"{name}.{step}"
 
         with stats.timer("selection_s"):
-            chosen = torch.sort(topk_indices(tensor, k_for(n, self.density))).values
+            chosen = torch.sort(topk_abs(tensor, count_for_ratio(n, self.density))).values
             bounds = torch.searchsorted(chosen, torch.arange(size + 1, device=chosen.device) * region)
             splits = torch.diff(bounds).tolist()
         messages = []
