@@ -1,7 +1,7 @@
 """The DeepReduce wire format: one self-describing uint8 tensor per message.
 
     header (32 bytes, little-endian): magic b"DR", version u8, index codec id u8,
-      value codec id u8, dtype id u8, 2 spare bytes, entries u32, block size i64,
+      value codec id u8, dtype id u8, reserved u16 (must be 0), entries u32, block size i64,
       index section bytes u32, value section bytes u32, CRC-32 of both sections u32;
     then the index section and the value section.
 
@@ -19,7 +19,7 @@ import torch
 
 MAGIC = b"DR"
 VERSION = 1
-_HEADER = struct.Struct("<2sBBBBxxIqIII")
+_HEADER = struct.Struct("<2sBBBBHIqIII")
 HEADER_BYTES = _HEADER.size
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -44,7 +44,7 @@ def write(header: Header, index_section: torch.Tensor, value_section: torch.Tens
     if header.dtype not in DTYPES:
         raise ValueError(f"DeepReduce codes values of dtype {[str(d) for d in DTYPES]}, got {header.dtype}")
     head = _HEADER.pack(MAGIC, VERSION, header.index_codec, header.value_codec,
-                        DTYPES.index(header.dtype), header.entries, header.block_size,
+                        DTYPES.index(header.dtype), 0, header.entries, header.block_size,
                         index_section.numel(), value_section.numel(),
                         _crc(index_section, value_section))
     device = index_section.device
@@ -60,11 +60,13 @@ def read(message: torch.Tensor) -> tuple[Header, torch.Tensor, torch.Tensor]:
         raise ValueError(f"DeepReduce message of {message.numel()} bytes is shorter than its "
                          f"{HEADER_BYTES}-byte header (truncated)")
     fields = _HEADER.unpack(np.asarray(message[:HEADER_BYTES].cpu()).tobytes())
-    magic, version, index_codec, value_codec, dtype_id, entries, block, n_index, n_value, crc = fields
+    magic, version, index_codec, value_codec, dtype_id, reserved, entries, block, n_index, n_value, crc = fields
     if magic != MAGIC:
         raise ValueError(f"not a DeepReduce message (magic {magic!r})")
     if version != VERSION:
         raise ValueError(f"DeepReduce wire version {version} is not supported (this is {VERSION})")
+    if reserved:
+        raise ValueError(f"DeepReduce message has non-zero reserved header bytes ({reserved}): corrupted")
     if dtype_id >= len(DTYPES):
         raise ValueError(f"DeepReduce message has unknown dtype id {dtype_id}")
     if HEADER_BYTES + n_index + n_value != message.numel():

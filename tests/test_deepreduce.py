@@ -184,6 +184,23 @@ def test_corrupted_or_truncated_messages_raise_value_error(params, where, flip, 
         codec.decode(data, 3000, torch.float32, torch.device("cpu"), "k")
 
 
+@pytest.mark.parametrize("params", CODEC_PARAMS, ids=lambda p: f"{p['index']}+{p['value']}")
+def test_every_single_byte_flip_and_every_truncation_raises(params):
+    """Exhaustive over byte positions: the sampled test above once missed the two reserved
+    header bytes, which were neither checked nor covered by the checksum."""
+    block = torch.randn(3000, generator=torch.Generator().manual_seed(2))
+    codec = codec_from_params({"deepreduce": "both", **params})
+    data = codec.encode(block, torch.topk(block.abs(), 60).indices, "k").data
+    for position in range(data.numel()):
+        corrupted = data.clone()
+        corrupted[position] ^= 0x01
+        with pytest.raises(ValueError):
+            codec.decode(corrupted, 3000, torch.float32, torch.device("cpu"), "k")
+    for length in range(data.numel()):
+        with pytest.raises(ValueError):
+            codec.decode(data[:length], 3000, torch.float32, torch.device("cpu"), "k")
+
+
 def test_a_message_for_another_codec_or_block_is_rejected():
     block = torch.randn(500)
     data = codec_from_params({"deepreduce": "both", "index": "delta", "value": "fp16"}).encode(
