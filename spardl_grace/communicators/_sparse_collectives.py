@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from ..payload import frame_overhead, pack_frames, unpack_frames
+from ..payload import PayloadCodec, frame_overhead, pack_frames, unpack_frames
 from ..transport import Transport
 from .schedules import bruck_rounds
 
@@ -27,11 +27,13 @@ def realign(indices: torch.Tensor, values: torch.Tensor, targets: torch.Tensor) 
     return out
 
 
-def _magnitude_bits(values: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """|values| as non-negative integers ordered like the magnitudes, and their bit width."""
-    width = values.element_size() * 8
-    as_int = {16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
-    return values.abs().view(as_int).to(torch.int64), width
+_INT_OF_WIDTH = {16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+
+def _magnitude_bits(values: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """|values| as non-negative int64 ordered like the magnitudes, and the same-width int dtype."""
+    as_int = _INT_OF_WIDTH[values.element_size() * 8]
+    return values.abs().view(as_int).to(torch.int64), as_int
 
 
 def global_kth_magnitude(transport: Transport, values: torch.Tensor, k: int, name: str,
@@ -42,14 +44,11 @@ def global_kth_magnitude(transport: Transport, values: torch.Tensor, k: int, nam
     A radix select on the magnitudes' bit patterns (non-negative floats order like their bits):
     one all-reduce of 2**RADIX_BITS counters per digit, so the volume is independent of k and
     of the number of values. Every rank returns the same bits."""
-    bits, width = _magnitude_bits(values)
-    as_int = {16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
-    size = transport.size
+    bits, as_int = _magnitude_bits(values)
+    width = values.element_size() * 8
 
     def allreduce(counts: torch.Tensor, suffix: str) -> torch.Tensor:
-        stats.add_bytes(phase, 2 * counts.numel() * 8 * (size - 1) // size)
-        with stats.timer("comm_s"):
-            return transport.allreduce(counts, f"{name}.{suffix}")
+        return counted_allreduce(transport, counts, f"{name}.{suffix}", stats, phase)
 
     total = int(allreduce(torch.tensor([values.numel()], dtype=torch.int64), "n")[0])
     if k <= 0 or total < k:
@@ -84,14 +83,20 @@ def bruck_allgather(transport: Transport, piece: torch.Tensor, group: list[int],
     return [held[(i - me) % g] for i in range(g)]
 
 
-def dense_average(transport: Transport, tensor: torch.Tensor, name: str, stats: "StepStats",
-                  phase: str = "dense") -> torch.Tensor:
-    """The all-reduced average of `tensor`, counted as a ring all-reduce (2n(P-1)/P elements)."""
+def counted_allreduce(transport: Transport, tensor: torch.Tensor, name: str,
+                      stats: "StepStats", phase: str) -> torch.Tensor:
+    """transport.allreduce, counted as a ring all-reduce: 2(P-1)/P of the tensor's bytes."""
     size = transport.size
     stats.add_bytes(phase, 2 * tensor.numel() * tensor.element_size() * (size - 1) // size)
-    stats.entries[phase] = tensor.numel()
     with stats.timer("comm_s"):
-        return transport.allreduce(tensor, name) / size
+        return transport.allreduce(tensor, name)
+
+
+def dense_average(transport: Transport, tensor: torch.Tensor, name: str, stats: "StepStats",
+                  phase: str = "dense") -> torch.Tensor:
+    """The all-reduced average of `tensor` (counted as a ring all-reduce)."""
+    stats.entries[phase] = tensor.numel()
+    return counted_allreduce(transport, tensor, name, stats, phase) / transport.size
 
 
 def allgather_bytes(transport: Transport, data: torch.Tensor, name: str, stats: "StepStats",
@@ -108,6 +113,39 @@ def alltoall_bytes(transport: Transport, messages: list[torch.Tensor], name: str
     stats.add_bytes(phase, sum(m.numel() for j, m in enumerate(messages) if j != transport.rank))
     with stats.timer("comm_s"):
         return transport.alltoall(messages, name)
+
+
+def split_and_reduce(transport: Transport, codec: PayloadCodec, tensor: torch.Tensor,
+                     chosen: torch.Tensor, offsets: list[int], key: str, stats: "StepStats",
+                     phase: str = "reduce") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse reduce-scatter over P regions (region j = tensor[offsets[j]:offsets[j+1]] belongs
+    to rank j): one all-to-all sends our `chosen` entries (sorted positions) of region j, coded
+    with region-relative indices, to rank j. Returns (sent, reduced, member): what the owners
+    decode from us, as a dense vector like `tensor`; the sum, in rank order, of what every rank
+    sent for our region; and which positions of our region received anything."""
+    me = transport.rank
+    bounds = torch.searchsorted(chosen, torch.tensor(offsets, device=chosen.device))
+    sent = torch.zeros_like(tensor)
+    messages = []
+    for j, part in enumerate(torch.split(chosen, torch.diff(bounds).tolist())):
+        block = tensor[offsets[j]:offsets[j + 1]]
+        with stats.timer("coding_s"):
+            enc = codec.encode(block, part - offsets[j], f"{key}.{phase}.{me}.{j}")
+        sent[offsets[j] + enc.indices] = enc.values
+        messages.append(enc.data)
+        if j != me:
+            stats.entries[phase] += enc.indices.numel()
+    received = alltoall_bytes(transport, messages, f"{phase}.{key}", stats, phase)
+    length = offsets[me + 1] - offsets[me]
+    reduced = torch.zeros(length, dtype=tensor.dtype, device=tensor.device)
+    member = torch.zeros(length, dtype=torch.bool, device=tensor.device)
+    for src, data in enumerate(received):
+        with stats.timer("coding_s"):
+            idx, vals = codec.decode(data, length, tensor.dtype, tensor.device,
+                                     f"{key}.{phase}.{src}.{me}")
+        reduced.index_add_(0, idx, vals)
+        member[idx] = True
+    return sent, reduced, member
 
 
 class StepStats:

@@ -45,8 +45,8 @@ from ..compressors._sparse import count_for_ratio
 from ..payload import PayloadCodec
 from ..transport import Transport
 from ._base import CodedAllreduce
-from ._sparse_collectives import (StepStats, allgather_bytes, alltoall_bytes, dense_average,
-                                  global_kth_magnitude)
+from ._sparse_collectives import (StepStats, allgather_bytes, counted_allreduce, dense_average,
+                                  global_kth_magnitude, split_and_reduce)
 
 PHASES = ("dense", "reduce", "gather", "threshold", "regions")
 LOCAL_BAND = (2 / 3, 5 / 4)    # nudge theta_local when the local count leaves [2k/3, 5k/4]
@@ -142,18 +142,10 @@ class OkTopk(CodedAllreduce):
             self._offsets[name] = self._balanced_offsets(chosen, n, f"regions.{key}", stats)
         offsets = self._offsets[name]
 
-        messages, sent = self._split(tensor, chosen, offsets, key, stats)
-        received = alltoall_bytes(self.transport, messages, f"reduce.{key}", stats, "reduce")
+        sent, reduced, member = split_and_reduce(self.transport, self.codec, tensor, chosen,
+                                                 offsets, key, stats)
         me = self.transport.rank
         lo, hi = offsets[me], offsets[me + 1]
-        reduced = torch.zeros(hi - lo, dtype=tensor.dtype, device=tensor.device)
-        member = torch.zeros(hi - lo, dtype=torch.bool, device=tensor.device)
-        for src, data in enumerate(received):
-            with stats.timer("coding_s"):
-                idx, vals = self.codec.decode(data, hi - lo, tensor.dtype, tensor.device,
-                                              f"{key}.reduce.{src}.{me}")
-            reduced.index_add_(0, idx, vals)
-            member[idx] = True
 
         candidates = torch.nonzero(member).reshape(-1)
         magnitudes = reduced[candidates].abs()
@@ -165,7 +157,9 @@ class OkTopk(CodedAllreduce):
             recomputed = True
         else:
             global_theta = self._theta_global[name]
-            count = self._allreduce_count(int((magnitudes >= global_theta).sum()), key, stats)
+            mine = (magnitudes >= global_theta).sum().to(torch.int64).reshape(1).cpu()
+            count = int(counted_allreduce(self.transport, mine, f"threshold.{key}.count",
+                                          stats, "threshold")[0])
             if not GUARD_BAND[0] * k <= count <= GUARD_BAND[1] * k:
                 global_theta = self._recompute_global(name, reduced[candidates], k, key, stats)
                 recomputed = True
@@ -202,12 +196,6 @@ class OkTopk(CodedAllreduce):
         self._theta_global[name] = theta
         return theta
 
-    def _allreduce_count(self, count: int, key: str, stats: StepStats) -> int:
-        mine = torch.tensor([count], dtype=torch.int64)
-        stats.add_bytes("threshold", 2 * 8 * (self.transport.size - 1) // self.transport.size)
-        with stats.timer("comm_s"):
-            return int(self.transport.allreduce(mine, f"threshold.{key}.count")[0])
-
     def _balanced_offsets(self, chosen: torch.Tensor, n: int, name: str,
                           stats: StepStats) -> list[int]:
         """P+1 region boundaries splitting the selected entries of all workers about evenly."""
@@ -217,28 +205,9 @@ class OkTopk(CodedAllreduce):
             proposal = chosen[torch.arange(1, size, device=chosen.device) * step].to(torch.int64).cpu()
         else:
             proposal = torch.arange(1, size, dtype=torch.int64) * n // size
-        stats.add_bytes("regions", 2 * proposal.numel() * 8 * (size - 1) // size)
-        with stats.timer("comm_s"):
-            total = self.transport.allreduce(proposal, name)
+        total = counted_allreduce(self.transport, proposal, name, stats, "regions")
         inner = (total // size).tolist()
         return [0, *inner, n]
-
-    def _split(self, tensor: torch.Tensor, chosen: torch.Tensor, offsets: list[int], key: str,
-               stats: StepStats) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Our coded entries for each region, and what the owners decode, as a dense vector."""
-        me = self.transport.rank
-        bounds = torch.searchsorted(chosen, torch.tensor(offsets, device=chosen.device))
-        sent = torch.zeros_like(tensor)
-        messages = []
-        for j, part in enumerate(torch.split(chosen, torch.diff(bounds).tolist())):
-            block = tensor[offsets[j]:offsets[j + 1]]
-            with stats.timer("coding_s"):
-                enc = self.codec.encode(block, part - offsets[j], f"{key}.reduce.{me}.{j}")
-            sent[offsets[j] + enc.indices] = enc.values
-            messages.append(enc.data)
-            if j != me:
-                stats.entries["reduce"] += enc.indices.numel()
-        return messages, sent
 
     def _own_state(self) -> dict[str, Any]:
         return {**super()._own_state(), "theta_local": dict(self._theta_local),

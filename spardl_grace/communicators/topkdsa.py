@@ -25,7 +25,7 @@ import torch
 from ..compressors._sparse import count_for_ratio, topk_abs
 from ..transport.base import as_bytes, from_bytes
 from ._base import CodedAllreduce
-from ._sparse_collectives import StepStats, allgather_bytes, alltoall_bytes
+from ._sparse_collectives import StepStats, allgather_bytes, split_and_reduce
 
 PHASES = ("reduce", "gather")
 
@@ -43,33 +43,13 @@ class TopkDSA(CodedAllreduce):
         region = math.ceil(n / size)
         padded = torch.zeros(size * region, dtype=tensor.dtype, device=tensor.device)
         padded[:n] = tensor
-        residual = padded.clone()
         key = f"{name}.{step}"
 
         with stats.timer("selection_s"):
             chosen = torch.sort(topk_abs(tensor, count_for_ratio(n, self.density))).values
-            bounds = torch.searchsorted(chosen, torch.arange(size + 1, device=chosen.device) * region)
-            splits = torch.diff(bounds).tolist()
-        messages = []
-        for j, part in enumerate(torch.split(chosen, splits)):
-            block = padded[j * region:(j + 1) * region]
-            with stats.timer("coding_s"):
-                enc = self.codec.encode(block, part - j * region, f"{key}.reduce.{me}.{j}")
-            residual[j * region + enc.indices] -= enc.values
-            messages.append(enc.data)
-            if j != me:
-                stats.entries["reduce"] += enc.indices.numel()
-        received = alltoall_bytes(self.transport, messages, f"reduce.{key}", stats, "reduce")
-
-        reduced = torch.zeros(region, dtype=tensor.dtype, device=tensor.device)
-        member = torch.zeros(region, dtype=torch.bool, device=tensor.device)
-        for src, data in enumerate(received):
-            with stats.timer("coding_s"):
-                idx, vals = self.codec.decode(data, region, tensor.dtype, tensor.device,
-                                              f"{key}.reduce.{src}.{me}")
-            reduced.index_add_(0, idx, vals)
-            member[idx] = True
-
+        sent, reduced, member = split_and_reduce(self.transport, self.codec, padded, chosen,
+                                                 [j * region for j in range(size + 1)], key, stats)
+        residual = padded - sent
         own = self._encode_region(reduced, member, f"{key}.gather.{me}", stats, residual, me * region)
         pieces = allgather_bytes(self.transport, own, f"gather.{key}", stats, "gather")
         result = torch.zeros_like(padded)
