@@ -14,7 +14,7 @@ import torch
 from spardl_grace.transport.base import as_bytes, from_bytes
 from spardl_grace.utils.seeding import generator, stable_seed
 
-from . import bitpack
+from spardl_grace.utils import bitpack
 
 PRIME = 2**31 - 1  # hash modulus: a*x + b stays below 2**62 for x < 2**31
 POLICIES = ("p0", "leftmost", "random", "conflict_sets")

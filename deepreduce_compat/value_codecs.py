@@ -15,7 +15,7 @@ import torch
 from spardl_grace.transport.base import as_bytes, from_bytes
 from spardl_grace.utils.seeding import generator
 
-from . import bitpack
+from spardl_grace.utils import bitpack
 
 
 def _tensor(data: bytes, device) -> torch.Tensor:

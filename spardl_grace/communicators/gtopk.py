@@ -30,7 +30,6 @@ for an index that is finally selected; it exists to compare against the publishe
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -39,6 +38,7 @@ from ..api import Compressor, Memory
 from ..compressors._sparse import count_for_ratio, topk_abs
 from ..payload import PayloadCodec, pack_frames, unpack_frames
 from ..transport import Transport
+from ..utils import bitpack
 from ._base import CodedAllreduce
 from ._sparse_collectives import StepStats, realign
 
@@ -214,7 +214,8 @@ class GTopk(CodedAllreduce):
         if me < p:
             final_set, data = final
             if me < self.extra:
-                message = pack_frames([data, _pack_bits(final_set.folded).to(data.device)])
+                message = pack_frames([data, bitpack.pack(final_set.folded.to(torch.int64), 1)
+                                       .to(data.device)])
                 stats.entries["final"] = final_set.indices.numel()
                 self._send_to(me + p, message, f"final.{key}", stats, "final")
             else:
@@ -230,20 +231,5 @@ class GTopk(CodedAllreduce):
         """(indices, values, folded mask) from the final message: the coded set and the mask."""
         data, mask = unpack_frames(message)
         idx, vals = _sorted(*self.codec.decode(data, n, dtype, device, f"{key}.final"))
-        if mask.numel() != math.ceil(idx.numel() / 8):
-            raise ValueError(f"gtopk final message: {mask.numel()} mask bytes for {idx.numel()} entries")
-        return idx, vals, _unpack_bits(mask.cpu(), idx.numel()).to(device)
+        return idx, vals, bitpack.unpack(mask, idx.numel(), 1).to(device=device, dtype=torch.bool)
 
-
-def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """A bool vector as little-endian bits, ceil(len/8) bytes."""
-    padded = torch.zeros(math.ceil(mask.numel() / 8) * 8, dtype=torch.uint8, device=mask.device)
-    padded[:mask.numel()] = mask.to(torch.uint8)
-    weights = (1 << torch.arange(8, dtype=torch.uint8, device=mask.device))
-    return (padded.view(-1, 8) * weights).sum(dim=1).to(torch.uint8).cpu()
-
-
-def _unpack_bits(data: torch.Tensor, count: int) -> torch.Tensor:
-    weights = (1 << torch.arange(8, dtype=torch.uint8))
-    bits = (data.view(-1, 1) & weights) != 0
-    return bits.reshape(-1)[:count]

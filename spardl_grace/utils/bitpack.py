@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from spardl_grace.transport.base import as_bytes, from_bytes
+from ..transport.base import as_bytes, from_bytes
 
 MAX_WIDTH = 63
 
