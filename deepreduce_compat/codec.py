@@ -4,8 +4,8 @@ GRACE compressor wrappers can code theirs.
 
 The sender codes the positions first, then sends the values found in the block at exactly the
 positions the receiver will decode (a Bloom filter's policy may pick others than the selected
-ones), then decodes its own message: `encode` reports what the receiver gets, bit for bit, so
-whatever coding drops or changes stays in the sender's residual.
+ones), then decodes its own value section: `encode` reports what the receiver gets, bit for
+bit, so whatever coding drops or changes stays in the sender's residual.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from spardl_grace.payload import PayloadCodec
+from spardl_grace.payload import Encoded, PayloadCodec
 
 from . import wire
 from .index_codecs import (POLICIES, BloomIndex, DeltaIndex, IndexCodec, RawIndex,
@@ -45,20 +45,31 @@ class DeepReduceCodec(PayloadCodec):
         self.stats: dict[str, int] = defaultdict(int)
 
     def encode_bytes(self, block, indices, key):
+        return self._code(block, indices, key)[0]
+
+    def encode(self, block, indices, key):
+        """The message and what the receiver decodes from it, without decoding the message
+        again: the index codec already returns the receiver's positions (a Bloom filter's
+        query of the whole block is the costly part), and the values come from the same
+        value-codec decode the receiver runs."""
+        message, positions, value_section = self._code(block, indices, key)
+        values = self.value.decode(value_section, positions.numel(), block.dtype, key)
+        return Encoded(message, positions, values.to(block.device))
+
+    def _code(self, block: torch.Tensor, indices: torch.Tensor, key: str):
+        """(message, the positions the receiver decodes, the value section)."""
         indices = torch.sort(indices.to(torch.int64)).values
         index_section, positions = self.index.encode(indices, block.numel(), key)
-        values = block[positions]
-        value_section = self.value.encode(values, key)
+        value_section = self.value.encode(block[positions], key)
         header = wire.Header(self.index.code, self.value.code, block.dtype, positions.numel(),
                              block.numel())
         message = wire.write(header, index_section, value_section)
-        item = block.element_size()
         self.stats["entries"] += indices.numel()
-        self.stats["raw_bytes"] += indices.numel() * (4 + item)
+        self.stats["raw_bytes"] += indices.numel() * (4 + block.element_size())
         self.stats["index_bytes"] += index_section.numel()
         self.stats["value_bytes"] += value_section.numel()
         self.stats["coded_bytes"] += message.numel()
-        return message
+        return message, positions, value_section
 
     def decode(self, data, block_size, dtype, device, key):
         header, index_section, value_section = wire.read(data)

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scenarios
-from deepreduce_compat import (DeepReduce, IndexCompressor, ValueCompressor, codec_from_params,
-                               deepreduce_from_params)
+from deepreduce_compat import (INDEX_CODECS, VALUE_CODECS, DeepReduce, IndexCompressor,
+                               ValueCompressor, codec_from_params, deepreduce_from_params)
 from deepreduce_compat.index_codecs import BloomIndex, DeltaIndex, RawIndex, RunLengthIndex
 from deepreduce_compat.value_codecs import (DeflateValues, FP16Values, PolyFitValues, QSGDValues,
                                             RawValues)
@@ -124,6 +124,21 @@ def test_bloom_policies_decode_what_the_sender_reports(policy):
                                       "fpr": 0.05}).encode(block, positions, "step.3")
         hits = lambda e: int(torch.isin(e.indices, positions).sum())  # noqa: E731
         assert hits(enc) > hits(leftmost), "conflict sets should recover more true positions"
+
+
+@pytest.mark.parametrize("index", sorted(INDEX_CODECS))
+@pytest.mark.parametrize("value", sorted(VALUE_CODECS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_encode_reports_exactly_what_the_receiver_decodes(index, value, dtype):
+    """DeepReduceCodec.encode does not decode its message again: it relies on the index codec
+    returning the receiver's positions. Check that against a real decode, bit for bit."""
+    block = torch.randn(5000, generator=torch.Generator().manual_seed(4)).to(dtype)
+    codec = codec_from_params({"deepreduce": "both", "index": index, "value": value,
+                               "policy": "conflict_sets", "fpr": 0.05})
+    enc = codec.encode(block, torch.topk(block.float().abs(), 200).indices, "step.1")
+    positions, values = codec.decode(enc.data, 5000, dtype, torch.device("cpu"), "step.1")
+    assert torch.equal(positions, enc.indices) and torch.equal(values, enc.values)
+    assert values.dtype == dtype
 
 
 # -------------------------------------------------------------------------------- curve fit
