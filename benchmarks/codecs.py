@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "cpus": torch.get_num_threads()},
+                    "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads()},
         "model": "FashionCNN (18,378 parameters), batch 64 per worker, Fashion-MNIST",
         "workers": args.workers, "density": args.density, "steps": args.steps,
         "results": rows}, indent=2))
