@@ -33,6 +33,7 @@ from .communicators.grace import Allgather, Allreduce, Broadcast
 from .communicators.gtopk import RESIDUAL_RULES, GTopk
 from .communicators.oktopk import DEFAULTS as OKTOPK_DEFAULTS
 from .communicators.oktopk import OkTopk
+from .communicators.oktopk import check_params as check_oktopk_params
 from .communicators.spardl import SparDL
 from .communicators.topka import GaussianK, TopkA
 from .communicators.topkdsa import TopkDSA
@@ -138,12 +139,7 @@ def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
     _in_range("powersgd_rank", p["powersgd_rank"],
               isinstance(p["powersgd_rank"], int) and p["powersgd_rank"] >= 1, "an int >= 1")
     _choice("gtopk_residual rule", p["gtopk_residual"], RESIDUAL_RULES)
-    for key in ("oktopk_warmup",):
-        _in_range(key, p[key], isinstance(p[key], int) and p[key] >= 0, "an int >= 0")
-    for key in ("oktopk_threshold_interval", "oktopk_region_interval"):
-        _in_range(key, p[key], isinstance(p[key], int) and p[key] >= 1, "an int >= 1")
-    for key in ("oktopk_local_scale", "oktopk_global_scale"):
-        _in_range(key, p[key], isinstance(p[key], (int, float)) and p[key] > 1, "a number > 1")
+    check_oktopk_params(**{key: p[f"oktopk_{key}"] for key in OKTOPK_DEFAULTS})
     p.update(resolve_deepreduce(p))
     _check_combination(p)
     return p

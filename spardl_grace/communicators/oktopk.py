@@ -56,6 +56,23 @@ DEFAULTS = {"warmup": 0, "threshold_interval": 32, "region_interval": 64,
             "local_scale": 1.012, "global_scale": 1.008}
 
 
+def check_params(warmup: int, threshold_interval: int, region_interval: int,
+                 local_scale: float, global_scale: float) -> None:
+    """ValueError naming the key (as grace_from_params spells it) of the first invalid value."""
+    for key, value, ok, rule in [
+            ("warmup", warmup, isinstance(warmup, int) and warmup >= 0, "an int >= 0"),
+            ("threshold_interval", threshold_interval,
+             isinstance(threshold_interval, int) and threshold_interval >= 1, "an int >= 1"),
+            ("region_interval", region_interval,
+             isinstance(region_interval, int) and region_interval >= 1, "an int >= 1"),
+            ("local_scale", local_scale,
+             isinstance(local_scale, (int, float)) and local_scale > 1, "a number > 1"),
+            ("global_scale", global_scale,
+             isinstance(global_scale, (int, float)) and global_scale > 1, "a number > 1")]:
+        if not ok:
+            raise ValueError(f"oktopk_{key} must be {rule}, got {value!r}")
+
+
 def _kth_magnitude(tensor: torch.Tensor, k: int) -> float:
     return float(torch.topk(tensor.abs(), k, sorted=False).values.min())
 
@@ -87,18 +104,7 @@ class OkTopk(CodedAllreduce):
                  global_scale: float = DEFAULTS["global_scale"],
                  codec: PayloadCodec | None = None):
         super().__init__(compressor, memory, transport, density, codec)
-        for key, value, ok, rule in [
-                ("warmup", warmup, isinstance(warmup, int) and warmup >= 0, "an int >= 0"),
-                ("threshold_interval", threshold_interval,
-                 isinstance(threshold_interval, int) and threshold_interval >= 1, "an int >= 1"),
-                ("region_interval", region_interval,
-                 isinstance(region_interval, int) and region_interval >= 1, "an int >= 1"),
-                ("local_scale", local_scale,
-                 isinstance(local_scale, (int, float)) and local_scale > 1, "a number > 1"),
-                ("global_scale", global_scale,
-                 isinstance(global_scale, (int, float)) and global_scale > 1, "a number > 1")]:
-            if not ok:
-                raise ValueError(f"oktopk {key} must be {rule}, got {value!r}")
+        check_params(warmup, threshold_interval, region_interval, local_scale, global_scale)
         self.warmup = warmup
         self.threshold_interval = threshold_interval
         self.region_interval = region_interval
