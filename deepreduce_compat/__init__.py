@@ -1,7 +1,7 @@
 """DeepReduce-style codecs for sparse payloads (Kostopoulou, Xu et al., arXiv 2102.03112).
 
-Index codecs: none, delta, rle, bloom (policies p0, leftmost, random, conflict_sets).
-Value codecs: none, fp16, deflate, qsgd, polyfit.
+Index codecs: none, delta, rle, huffman, bloom (policies p0, leftmost, random, conflict_sets).
+Value codecs: none, fp16, deflate, qsgd, polyfit, dexp.
 
     # GRACE communicators (allgather, broadcast): wrap the sparsifier, as in DeepReduce's README
     grc = grace_from_params(params)

@@ -17,18 +17,19 @@ import torch
 from spardl_grace.payload import Encoded, PayloadCodec
 
 from . import wire
-from .index_codecs import (POLICIES, BloomIndex, DeltaIndex, IndexCodec, RawIndex,
-                           RunLengthIndex)
-from .value_codecs import (DeflateValues, FP16Values, PolyFitValues, QSGDValues, RawValues,
-                           ValueCodec)
+from .index_codecs import (POLICIES, BloomIndex, DeltaIndex, HuffmanIndex, IndexCodec,
+                           RawIndex, RunLengthIndex)
+from .value_codecs import (DeflateValues, DoubleExpValues, FP16Values, PolyFitValues,
+                           QSGDValues, RawValues, ValueCodec)
 
 INDEX_CODECS = {"none": lambda p: RawIndex(), "delta": lambda p: DeltaIndex(),
-                "rle": lambda p: RunLengthIndex(),
+                "rle": lambda p: RunLengthIndex(), "huffman": lambda p: HuffmanIndex(),
                 "bloom": lambda p: BloomIndex(p["policy"], p["fpr"], p["seed"])}
 VALUE_CODECS = {"none": lambda p: RawValues(), "fp16": lambda p: FP16Values(),
                 "deflate": lambda p: DeflateValues(),
                 "qsgd": lambda p: QSGDValues(p["quantum_num"], p["bucket_size"], p["seed"]),
-                "polyfit": lambda p: PolyFitValues(p["poly_degree"])}
+                "polyfit": lambda p: PolyFitValues(p["poly_degree"]),
+                "dexp": lambda p: DoubleExpValues()}
 MODES = (None, "value", "index", "both")
 DEFAULTS: dict[str, Any] = {"deepreduce": None, "index": "bloom", "value": "polyfit", "fpr": None,
                             "policy": "p0", "poly_degree": 5, "quantum_num": 127,

@@ -16,6 +16,8 @@ from spardl_grace.utils.seeding import generator, stable_seed
 
 from spardl_grace.utils import bitpack
 
+from . import huffman
+
 PRIME = 2**31 - 1  # hash modulus: a*x + b stays below 2**62 for x < 2**31
 POLICIES = ("p0", "leftmost", "random", "conflict_sets")
 
@@ -62,7 +64,7 @@ class DeltaIndex(IndexCodec):
     name, code = "delta", 1
 
     def encode(self, indices, size, key):
-        gaps = torch.diff(indices, prepend=indices.new_tensor([-1])) - 1
+        gaps = _gaps(indices)
         width = bitpack.width_for(int(gaps.max())) if gaps.numel() else 0
         return torch.cat([bitpack.u32s([width], indices.device), bitpack.pack(gaps, width)]), indices
 
@@ -71,7 +73,7 @@ class DeltaIndex(IndexCodec):
         if not 0 <= width <= 32:
             raise ValueError(f"delta index width {width} is out of range")
         gaps = bitpack.unpack(section[4:], count, width)
-        return _check_positions(torch.cumsum(gaps + 1, 0) - 1, count, size, "delta index")
+        return _check_positions(_positions(gaps), count, size, "delta index")
 
 
 class RunLengthIndex(IndexCodec):
@@ -106,6 +108,51 @@ class RunLengthIndex(IndexCodec):
             torch.cumsum(ones, 0) - ones, ones)
         positions = torch.repeat_interleave(starts, ones) + offsets
         return _check_positions(positions, count, size, "rle index")
+
+
+def _gaps(indices: torch.Tensor) -> torch.Tensor:
+    """The first position, then each distance to the previous one minus one (all >= 0)."""
+    return torch.diff(indices, prepend=indices.new_tensor([-1])) - 1
+
+
+def _positions(gaps: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(gaps + 1, 0) - 1
+
+
+class HuffmanIndex(IndexCodec):
+    """'huffman': each gap g (as in 'delta') is sent as the Huffman code of its bit length
+    w = bit_length(g), followed, in a second stream, by the w - 1 bits below its leading one
+    (the leading one is implied; DEFLATE codes its distances the same way). Gaps of similar
+    size share a short code, so a sparse set whose gaps vary little costs a few bits per
+    position plus 17 bytes of code lengths (4 bits each)."""
+    name, code = "huffman", 4
+    SYMBOLS = 33  # bit lengths 0..32
+
+    def encode(self, indices, size, key):
+        gaps = _gaps(indices)
+        width = torch.frexp(gaps.to(torch.float64)).exponent.to(torch.int64)  # exact below 2**53
+        if gaps.numel() and int(width.max()) >= self.SYMBOLS:
+            raise ValueError(f"huffman index codes gaps below 2**32, got a block of {size}")
+        lengths = huffman.code_lengths(torch.bincount(width, minlength=self.SYMBOLS).tolist())
+        stream, nbits = huffman.encode(width, lengths)
+        extra = (width - 1).clamp_min(0)
+        mantissas = bitpack.pack_varwidth(gaps - (1 << extra) * (width > 0), extra)
+        header = torch.cat([bitpack.u32s([nbits], indices.device),
+                            bitpack.pack(torch.tensor(lengths, device=indices.device), 4)])
+        return torch.cat([header, stream, mantissas]), indices
+
+    def decode(self, section, count, size, key):
+        (nbits,) = bitpack.read_u32s(section, 1)
+        start = 4 + bitpack.packed_size(self.SYMBOLS, 4)
+        if nbits < 0 or section.numel() < start + (nbits + 7) // 8:
+            raise ValueError(f"huffman index section of {section.numel()} bytes for {nbits} bits")
+        lengths = bitpack.unpack(section[4:start], self.SYMBOLS, 4).tolist()
+        stream_end = start + (nbits + 7) // 8
+        width = huffman.decode(section[start:stream_end], nbits, count, lengths)
+        extra = (width - 1).clamp_min(0)
+        mantissas = bitpack.unpack_varwidth(section[stream_end:], extra)
+        gaps = mantissas + (1 << extra) * (width > 0)
+        return _check_positions(_positions(gaps), count, size, "huffman index")
 
 
 class BloomIndex(IndexCodec):
