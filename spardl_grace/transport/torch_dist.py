@@ -39,14 +39,17 @@ class TorchDistTransport(Transport):
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _wait(self, works, name: str) -> None:
-        for w in works:
-            try:
+    def _complete(self, issue, name: str) -> None:
+        """Issue the ops (`issue()` returns their works) and wait for them. A dead peer can
+        make gloo fail while posting an op as well as while waiting: both become
+        TransportError (TransportTimeout for a timeout)."""
+        try:
+            for w in issue():
                 w.wait(timeout=timedelta(seconds=self.timeout))
-            except RuntimeError as exc:
-                msg = str(exc)
-                kind = TransportTimeout if "imeout" in msg or "imed out" in msg else TransportError
-                raise kind(f"rank {self.rank}: '{name}' failed: {msg}") from exc
+        except RuntimeError as exc:
+            msg = str(exc)
+            kind = TransportTimeout if "imeout" in msg or "imed out" in msg else TransportError
+            raise kind(f"rank {self.rank}: '{name}' failed: {msg}") from exc
 
     def _on_comm(self, t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().to(self._device)
@@ -74,12 +77,12 @@ class TorchDistTransport(Transport):
         if not ops:
             return
         p2p = [dist.P2POp(fn, t, self._global(peer), group=self.group) for fn, t, peer in ops]
-        self._wait(dist.batch_isend_irecv(p2p), name)
+        self._complete(lambda: dist.batch_isend_irecv(p2p), name)
 
     def _allgather_sizes(self, n: int, name: str) -> list[int]:
         mine = torch.tensor([n], dtype=torch.int64, device=self._device)
         sizes = [torch.empty_like(mine) for _ in range(self.size)]
-        self._wait([dist.all_gather(sizes, mine, group=self.group, async_op=True)], name)
+        self._complete(lambda: [dist.all_gather(sizes, mine, group=self.group, async_op=True)], name)
         return [int(s.item()) for s in sizes]
 
     def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
@@ -90,7 +93,8 @@ class TorchDistTransport(Transport):
         padded[: tensor.numel()] = self._on_comm(tensor)
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         if longest:
-            self._wait([dist.all_gather(parts, padded, group=self.group, async_op=True)], name)
+            self._complete(lambda: [dist.all_gather(parts, padded, group=self.group,
+                                                    async_op=True)], name)
         return [p[:s].to(tensor.device) for p, s in zip(parts, sizes)]
 
     def alltoall(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
@@ -100,26 +104,28 @@ class TorchDistTransport(Transport):
             raise TransportError(f"alltoall '{name}' needs one dtype, got {sorted(map(str, dtypes))}")
         send_sizes = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=self._device)
         recv_sizes = torch.empty_like(send_sizes)
-        self._wait([dist.all_to_all_single(recv_sizes, send_sizes, group=self.group,
-                                           async_op=True)], name)
+        self._complete(lambda: [dist.all_to_all_single(recv_sizes, send_sizes, group=self.group,
+                                                       async_op=True)], name)
         send = torch.cat([self._on_comm(t) for t in tensors])
         in_splits = recv_sizes.tolist()
         out_splits = send_sizes.tolist()
         received = torch.empty(sum(in_splits), dtype=send.dtype, device=self._device)
         if send.numel() or received.numel():
-            self._wait([dist.all_to_all_single(received, send, in_splits, out_splits,
-                                               group=self.group, async_op=True)], name)
+            self._complete(lambda: [dist.all_to_all_single(received, send, in_splits, out_splits,
+                                                           group=self.group, async_op=True)],
+                           name)
         return [p.to(tensors[0].device) for p in torch.split(received, in_splits)]
 
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         out = self._on_comm(tensor).clone()
-        self._wait([dist.all_reduce(out, group=self.group, async_op=True)], name)
+        self._complete(lambda: [dist.all_reduce(out, group=self.group, async_op=True)], name)
         return out.to(tensor.device)
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         self._check_peer(root, "root")
         out = self._on_comm(tensor).clone()
-        self._wait([dist.broadcast(out, self._global(root), group=self.group, async_op=True)], name)
+        self._complete(lambda: [dist.broadcast(out, self._global(root), group=self.group,
+                                               async_op=True)], name)
         return out.to(tensor.device)
 
     def barrier(self, name: str = "barrier") -> None:
