@@ -100,6 +100,12 @@ class Memory(ABC):
         raise ValueError(f"{type(self).__name__} cannot hold the residual of a sparse all-reduce; "
                          "use memory 'global_residual', 'residual' or 'none'")
 
+    def stores(self) -> list[dict[str, torch.Tensor]]:
+        """The memory's per-name stores of tensors shaped like the gradient (residuals,
+        velocities). Fused-buffer callers split them per parameter between steps, so they
+        survive a change of bucketing (spardl_grace.sync)."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

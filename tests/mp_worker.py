@@ -4,11 +4,13 @@
     mpirun -np P python tests/mp_worker.py mpi SCENARIO OUTDIR
     horovodrun -np P -H localhost:P --gloo python tests/mp_worker.py horovod SCENARIO OUTDIR
 
+SCENARIO is a function of tests/scenarios.py, or MODULE.FUNCTION of another module in tests/.
 Each rank runs SCENARIO against the transport that spardl_grace detects for the launcher
 (default_transport), and saves what it computed to OUTDIR/rank{r}.pt for the test to compare.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from datetime import timedelta
@@ -39,7 +41,8 @@ def main() -> None:
     start_backend(backend)
     from spardl_grace.transport import default_transport
     transport = default_transport(timeout=TIMEOUT_S)
-    result = getattr(scenarios, scenario)(transport)
+    module, _, function = scenario.rpartition(".")
+    result = getattr(importlib.import_module(module) if module else scenarios, function)(transport)
     torch.save(result, Path(outdir) / f"rank{transport.rank}.pt")
     transport.barrier("done")
     if backend == "gloo":

@@ -36,6 +36,9 @@ class DgcMemory(Memory):
         self.velocities[name] = self.velocities[name] * keep
         self.accumulations[name] = self.accumulations[name] * keep
 
+    def stores(self):
+        return [self.velocities, self.accumulations]
+
     def state_dict(self):
         return {"velocities": dict(self.velocities), "accumulations": dict(self.accumulations)}
 

@@ -39,6 +39,9 @@ class ResidualMemory(Memory):
     def store_residual(self, name, residual):
         self.residuals[name] = residual
 
+    def stores(self):
+        return [self.residuals]
+
     def state_dict(self):
         return {"residuals": dict(self.residuals)}
 

@@ -38,6 +38,8 @@ class Transport(ABC):
     rank: int
     size: int
     timeout: float
+    #: whether a background thread may communicate while the caller's thread does not
+    thread_safe: bool = True
 
     @abstractmethod
     def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:

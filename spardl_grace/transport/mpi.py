@@ -34,6 +34,7 @@ class MPITransport(Transport):
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = timeout
+        self.thread_safe = MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
     def _wait(self, requests, name: str) -> None:
         deadline = time.monotonic() + self.timeout

@@ -1,0 +1,80 @@
+"""A DDP communication hook that synchronises DDP's buckets with a grace communicator.
+
+    grc = grace_from_params({'compressor': 'topk', 'memory': 'global_residual',
+                             'communicator': 'spardl', 'compress_ratio': 0.01})
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(spardl_grace.CommHookState(grc, ddp), spardl_grace.comm_hook)
+
+DDP hands the hook its buckets by index, and rebuilds them (other parameters, other order)
+after the first iteration. The hook names a bucket by its parameters instead, lays them out in
+one canonical order (reverse registration order, as DistributedOptimizer does) whatever DDP's
+order, and keeps the memory's residuals per parameter (spardl_grace.sync), so a rebuild
+neither loses nor misplaces them, and a bucket holding the same parameters as one of
+DistributedOptimizer's is synchronised bit for bit like it. DDP's own bucket size (bucket_cap_mb) decides the fusion: pass a large
+bucket_cap_mb to DistributedDataParallel to give SparDL the whole model in one buffer.
+"""
+# No `from __future__ import annotations`: DDP compares comm_hook's annotations with the real
+# types (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .api import Communicator
+from .sync import Bucket, GradientSync
+
+
+class CommHookState:
+    """The hook's state: the grace communicator, parameter names, and the step count.
+
+    model: the DistributedDataParallel module (or the module it wraps); its parameter names
+    key the residuals. dense_warmup_steps: the first iterations are synchronised dense.
+    min_numel: buckets with fewer entries are always synchronised dense."""
+
+    def __init__(self, grace: Communicator, model: torch.nn.Module, dense_warmup_steps: int = 0,
+                 min_numel: int = 0):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be the DDP module (or the module it wraps), got "
+                            f"{type(model).__name__}")
+        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        named = list(inner.named_parameters())
+        self.names = {p: n for n, p in named}
+        self.position = {p: i for i, (_, p) in enumerate(named)}
+        self.sync = GradientSync(grace, dense_warmup_steps, min_numel)
+
+    def canonical(self, params: list[torch.Tensor]) -> tuple[Bucket, list[int]]:
+        """The bucket of `params` in reverse registration order, and that order as indices
+        into `params`."""
+        if any(p not in self.names for p in params):
+            raise ValueError("DDP's bucket holds a parameter the hook state does not know: build "
+                             "CommHookState with the model DDP wraps")
+        order = sorted(range(len(params)), key=lambda j: -self.position[params[j]])
+        return Bucket(tuple(self.names[params[j]] for j in order),
+                      tuple(params[j].numel() for j in order)), order
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's compression state; loads with torch.load(weights_only=True)."""
+        return self.sync.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """ValueError if written by a run with another number of workers."""
+        self.sync.load_state_dict(state)
+
+
+def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's gradients averaged over ranks by state's grace
+    communicator (dense during warm-up and for small buckets), in the bucket's dtype."""
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    canonical, order = state.canonical(params)
+    ddp_parts = torch.split(buffer, [p.numel() for p in params])
+    flat = torch.cat([ddp_parts[j] for j in order]) if order != sorted(order) else buffer
+    result = state.sync.synchronize(flat, canonical)
+    if order != sorted(order):
+        parts = dict(zip(order, torch.split(result, canonical.numels)))
+        result = torch.cat([parts[j] for j in range(len(params))])
+    if bucket.is_last():
+        state.sync.end_step()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(result.to(buffer.dtype))
+    return future

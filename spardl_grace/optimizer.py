@@ -1,0 +1,246 @@
+"""DistributedOptimizer: Horovod's optimizer wrapper, synchronising with a grace communicator.
+
+    grc = grace_from_params({'compressor': 'topk', 'memory': 'global_residual',
+                             'communicator': 'spardl', 'compress_ratio': 0.01})
+    optimizer = spardl_grace.DistributedOptimizer(optimizer, grc,
+                                                  named_parameters=model.named_parameters())
+
+The same call works under horovodrun, torchrun and mpirun: the transport is the grace
+communicator's. Gradients are fused into flat buckets (by default the whole model in one, which
+SparDL wants). A gradient hook counts each parameter's backward passes; when every parameter of
+a bucket has its `backward_passes_per_step` passes, the bucket is handed to a communication
+thread, so later buckets overlap with the rest of the backward pass. Buckets are always
+synchronised in the same order on every rank (a bucket waits for the ones before it), whatever
+order the hooks fire in, so ranks whose models leave different parameters unused cannot
+deadlock. step() waits for the results, writes the averages into .grad, and steps.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from .api import Communicator
+from .sync import Bucket, GradientSync, communication_dtype, flatten
+
+
+def plan_buckets(named: list[tuple[str, torch.nn.Parameter]],
+                 bucket_cap_mb: float | None) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Parameters grouped into buckets: in reverse order (the order backward produces their
+    gradients, and DDP's), one group per (device, communication dtype), each group cut into
+    buckets of at most bucket_cap_mb megabytes (None: one bucket per group)."""
+    groups: dict[tuple[Any, torch.dtype], list] = {}
+    for name, p in reversed(named):
+        groups.setdefault((p.device, communication_dtype(p.dtype)), []).append((name, p))
+    if bucket_cap_mb is None:
+        return list(groups.values())
+    cap = bucket_cap_mb * 2**20
+    buckets = []
+    for (_, dtype), members in groups.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        current, size = [], 0
+        for name, p in members:
+            if current and size + p.numel() * itemsize > cap:
+                buckets.append(current)
+                current, size = [], 0
+            current.append((name, p))
+            size += p.numel() * itemsize
+        buckets.append(current)
+    return buckets
+
+
+def _named(optimizer: torch.optim.Optimizer,
+           named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None):
+    """(name, parameter) for every parameter of the optimizer that requires a gradient, in
+    the optimizer's order; Horovod's checks on named_parameters."""
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return [(f"noname.{i}", p) for i, p in enumerate(in_optimizer) if p.requires_grad]
+    named = list(named_parameters)
+    if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named):
+        raise ValueError("named_parameters must be (name, parameter) pairs, as from "
+                         "model.named_parameters()")
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"named_parameters has duplicate names: {duplicates}")
+    by_param = {p: n for n, p in named}
+    missing = [i for i, p in enumerate(in_optimizer) if p not in by_param]
+    if missing:
+        raise ValueError(f"named_parameters does not name the optimizer's parameters at "
+                         f"positions {missing}: pass model.named_parameters() of the model whose "
+                         "parameters the optimizer holds")
+    return [(by_param[p], p) for p in in_optimizer if p.requires_grad]
+
+
+class _BucketSlot:
+    def __init__(self, members: list[tuple[str, torch.nn.Parameter]]):
+        self.params = [p for _, p in members]
+        self.bucket = Bucket(tuple(n for n, _ in members), tuple(p.numel() for p in self.params))
+        self.dtype = communication_dtype(self.params[0].dtype)
+        self.device = self.params[0].device
+        self.ready = 0
+
+
+class _DistributedOptimizer:
+    """Mixed in before the wrapped optimizer's class (see DistributedOptimizer)."""
+
+    def _setup(self, grace: Communicator, named, backward_passes_per_step: int,
+               bucket_cap_mb: float | None, dense_warmup_steps: int, min_numel: int,
+               overlap: bool) -> None:
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0 or None (one bucket), got {bucket_cap_mb!r}")
+        self._sync = GradientSync(grace, dense_warmup_steps, min_numel)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._slots = [_BucketSlot(m) for m in plan_buckets(named, bucket_cap_mb)] if named else []
+        self._slot_of = {p: i for i, slot in enumerate(self._slots) for p in slot.params}
+        self._names = {p: n for n, p in named}
+        self._passes = dict.fromkeys(self._slot_of, 0)
+        self._pending: list[concurrent.futures.Future] = []
+        self._synchronized = False
+        self._should_synchronize = True
+        thread_safe = getattr(grace.transport, "thread_safe", True)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spardl-comm") \
+            if overlap and thread_safe else None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._slot_of]
+
+    @property
+    def grace(self) -> Communicator:
+        return self._sync.grace
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [slot.bucket for slot in self._slots]
+
+    def _on_gradient(self, p: torch.nn.Parameter) -> None:
+        self._passes[p] += 1
+        if self._passes[p] > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"the gradient of '{self._names[p]}' was computed {self._passes[p]} times before "
+                f"step() or synchronize(), with backward_passes_per_step="
+                f"{self.backward_passes_per_step}: raise backward_passes_per_step to accumulate "
+                "gradients locally")
+        if self._passes[p] == self.backward_passes_per_step:
+            slot = self._slots[self._slot_of[p]]
+            slot.ready += 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch, in bucket order, every bucket whose turn has come and whose gradients are all in."""
+        while len(self._pending) < len(self._slots):
+            slot = self._slots[len(self._pending)]
+            if slot.ready < len(slot.params):
+                return
+            self._launch(slot)
+
+    def _launch(self, slot: _BucketSlot) -> None:
+        flat = flatten([p.grad for p in slot.params], slot.bucket.numels, slot.dtype, slot.device)
+        if self._executor is not None:
+            self._pending.append(self._executor.submit(self._sync.synchronize, flat, slot.bucket))
+            return
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(self._sync.synchronize(flat, slot.bucket))
+        except BaseException as exc:  # delivered by synchronize(), like a thread's failure
+            future.set_exception(exc)
+        self._pending.append(future)
+
+    def synchronize(self) -> None:
+        """Finish this step's communication and write the averaged gradients into .grad.
+        Buckets whose gradients never arrived (unused parameters) are sent with zeros for
+        the missing ones, so every rank takes part in every bucket."""
+        while len(self._pending) < len(self._slots):
+            self._launch(self._slots[len(self._pending)])
+        try:
+            for slot, future in zip(self._slots, self._pending):
+                result = future.result()
+                for p, part in zip(slot.params, torch.split(result, slot.bucket.numels)):
+                    if p.grad is None:
+                        p.grad = part.view_as(p).to(p.dtype).clone()
+                    else:
+                        p.grad.copy_(part.view_as(p))
+        finally:
+            self._pending = []
+            for slot in self._slots:
+                slot.ready = 0
+            self._passes = dict.fromkeys(self._passes, 0)
+        self._sync.end_step()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """step() inside this block does not synchronise: call synchronize() first, change the
+        averaged gradients (clipping, unscaling), then step, as with Horovod."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize and not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pending:
+            raise RuntimeError("zero_grad() was called after backward() and before step() or "
+                               "synchronize(): the gradients are being communicated. Call "
+                               "zero_grad() before backward(), or step()/synchronize() first")
+        super().zero_grad(set_to_none=set_to_none)
+
+    def compression_state_dict(self) -> dict[str, Any]:
+        """This rank's compression state (residuals, step counters, thresholds, warm-up
+        progress); save it per rank next to optimizer.state_dict(). Loads with
+        torch.load(weights_only=True)."""
+        return self._sync.state_dict()
+
+    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from compression_state_dict(); ValueError if it was written by a run with
+        another number of workers (residuals and schedules do not carry over)."""
+        self._sync.load_state_dict(state)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, grace: Communicator | None = None,
+                         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+                         backward_passes_per_step: int = 1, bucket_cap_mb: float | None = None,
+                         dense_warmup_steps: int = 0, min_numel: int = 0,
+                         overlap: bool = True) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so that step() applies gradients averaged over all ranks by `grace`.
+
+    The result is an instance of a subclass of the optimizer's own class sharing its state,
+    so learning-rate schedulers and optimizer.state_dict() work unchanged. GRACE's positional
+    form DistributedOptimizer(optimizer, grc, named_parameters=...) is accepted.
+
+    grace: a communicator from grace_from_params(...).
+    named_parameters: model.named_parameters(); names key the residuals in checkpoints.
+    backward_passes_per_step: backward passes whose gradients are summed locally before one
+        synchronisation.
+    bucket_cap_mb: fuse gradients into buckets of at most this size (None: one bucket per
+        device and dtype, the whole model).
+    dense_warmup_steps: the first steps are synchronised dense.
+    min_numel: buckets smaller than this are synchronised dense.
+    overlap: communicate from a background thread while backward goes on (off automatically
+        for an MPI library without thread support).
+    """
+    if grace is None:
+        raise ValueError("DistributedOptimizer needs a grace communicator: "
+                         "DistributedOptimizer(optimizer, grace_from_params(params), ...)")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is already a DistributedOptimizer")
+    named = _named(optimizer, named_parameters)
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    if hasattr(wrapped, "_patch_step_function"):  # torch's step hooks and profiling
+        wrapped._patch_step_function()
+    wrapped._setup(grace, named, backward_passes_per_step, bucket_cap_mb, dense_warmup_steps,
+                   min_numel, overlap)
+    return wrapped

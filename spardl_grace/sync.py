@@ -1,0 +1,143 @@
+"""Bucketed gradient synchronisation: what DistributedOptimizer and the DDP comm hook share.
+
+A bucket is a flat buffer holding the gradients of some parameters back to back. It is
+synchronised under a key derived from the names of its parameters, while the memory's
+per-name stores (residuals, velocities) are kept *per parameter* between steps: before a
+bucket is synchronised its parameters' entries are concatenated under the bucket's key, and
+afterwards split back. So error feedback survives any change of bucketing (DDP rebuilds its
+buckets after the first iteration; a user may change the bucket size between a checkpoint and
+the resumed run), and the two integrations write the same checkpoint.
+
+Per-bucket state that is not a tensor per entry (step counters, Ok-Topk thresholds and
+regions, PowerSGD's Q) stays under the bucket key; after a rebuild it starts afresh, which
+the algorithms handle as on their first step.
+"""
+from __future__ import annotations
+
+import hashlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .api import Communicator, Memory
+from .communicators.dense import Dense
+from .compressors.none import NoneCompressor
+from .memories.none import NoneMemory
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The parameters (by stable name) whose gradients lie back to back in a flat buffer."""
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.names) != len(self.numels) or not self.names:
+            raise ValueError("a bucket needs one numel per parameter name, and at least one")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"parameter names in a bucket must be unique: {self.names}")
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def key(self) -> str:
+        """Stable across processes and runs: the first name, the count and a digest of all."""
+        digest = hashlib.sha1("\0".join(self.names).encode()).hexdigest()[:10]
+        return f"bucket[{self.names[0]}+{len(self.names) - 1}]{digest}"
+
+
+def communication_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision gradients are synchronised (and their residuals kept) in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@contextmanager
+def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[None]:
+    """Within the block, the memory's stores hold the bucket's entries under bucket.key;
+    outside it, under each parameter's name (flat, numel entries each)."""
+    for store in memory.stores():
+        parts = [store.pop(name, None) for name in bucket.names]
+        present = next((p for p in parts if p is not None), None)
+        if present is not None:
+            store[bucket.key] = torch.cat([
+                (p if p is not None else present.new_zeros(n)).reshape(-1)
+                for p, n in zip(parts, bucket.numels)])
+    try:
+        yield
+    finally:
+        for store in memory.stores():
+            whole = store.pop(bucket.key, None)
+            if whole is not None:
+                for name, part in zip(bucket.names, torch.split(whole.reshape(-1), bucket.numels)):
+                    store[name] = part
+
+
+class GradientSync:
+    """Synchronises the buckets of one model with a grace communicator.
+
+    dense_warmup_steps: the first steps are plain dense averages (no selection, residuals
+    untouched), as DGC-style warm-up. min_numel: buckets smaller than this are always sent
+    dense (a few tiny tensors do not repay selection and headers). `end_step()` marks the end of
+    a training step (all buckets synchronised)."""
+
+    def __init__(self, grace: Communicator, dense_warmup_steps: int = 0, min_numel: int = 0):
+        if not isinstance(grace, Communicator):
+            raise TypeError(f"grace must be a spardl_grace Communicator (grace_from_params(...)), "
+                            f"got {type(grace).__name__}")
+        for what, value in (("dense_warmup_steps", dense_warmup_steps), ("min_numel", min_numel)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+        self.grace = grace
+        self.dense = Dense(NoneCompressor(), NoneMemory(), grace.transport)
+        self.dense_warmup_steps = dense_warmup_steps
+        self.min_numel = min_numel
+        self.steps = 0
+
+    def is_dense(self, bucket: Bucket) -> bool:
+        return self.steps < self.dense_warmup_steps or bucket.numel < self.min_numel
+
+    def synchronize(self, flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """The average over ranks of `flat` (the bucket's gradients), identical on every rank,
+        in communication_dtype(flat.dtype). Every rank must call it for the same buckets in
+        the same order."""
+        if flat.dim() != 1 or flat.numel() != bucket.numel:
+            raise ValueError(f"bucket {bucket.key} holds {bucket.numel} entries, "
+                             f"got a buffer of shape {tuple(flat.shape)}")
+        flat = flat.to(communication_dtype(flat.dtype))
+        if self.is_dense(bucket):
+            return self.dense.step(flat, bucket.key)
+        with per_parameter_stores(self.grace.memory, bucket):
+            return self.grace.step(flat, bucket.key)
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    @property
+    def last_stats(self) -> dict[str, float]:
+        return self.grace.last_stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole compression state (compressor, memory, communicator, steps); tensors and
+        plain values only, so it loads with torch.load(weights_only=True)."""
+        return {"grace": self.grace.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state_dict() of the same world size (ValueError otherwise)."""
+        self.grace.load_state_dict(state["grace"])
+        self.steps = int(state["steps"])
+
+
+def flatten(tensors: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """The tensors back to back in one flat buffer of `dtype`; None counts as zeros."""
+    out = torch.zeros(sum(numels), dtype=dtype, device=device)
+    offset = 0
+    for t, n in zip(tensors, numels):
+        if t is not None:
+            out[offset:offset + n] = t.reshape(-1)
+        offset += n
+    return out

@@ -1,0 +1,388 @@
+"""The integrations: DistributedOptimizer (Horovod-style), the DDP comm hook, launchers,
+checkpoint and resume, mixed precision, and a worker dying mid-training."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+import training_scenarios as ts
+from spardl_grace import (DistributedOptimizer, TransportError, broadcast_parameters,
+                          grace_from_params, run_local)
+from spardl_grace.sync import Bucket, GradientSync
+
+
+def assert_identical(per_rank: list[torch.Tensor]) -> None:
+    for rank, t in enumerate(per_rank):
+        assert torch.equal(t, per_rank[0]), f"rank {rank} differs from rank 0"
+
+
+def assert_loss_falls(losses: torch.Tensor) -> None:
+    assert losses[-5:].mean() < 0.8 * losses[:5].mean(), losses.tolist()
+
+
+# ------------------------------------------------------------------- DistributedOptimizer
+@pytest.mark.parametrize("algorithm", sorted(ts.ALGORITHMS))
+def test_optimizer_trains_identical_replicas_local(algorithm):
+    results = run_local(3, lambda t: ts.optimizer_training(t, (algorithm,))[algorithm])
+    assert_identical([r["params"] for r in results])
+    for r in results:
+        assert_loss_falls(r["losses"])
+
+
+def test_wrapped_optimizer_is_still_the_users_optimizer():
+    def fn(t):
+        model = ts.mlp()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = DistributedOptimizer(sgd, grace_from_params(ts.params_for("spardl"), transport=t),
+                                   named_parameters=model.named_parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        ts.train(model, opt, t.rank, t.size, 4)
+        for _ in range(4):
+            scheduler.step()
+        plain = torch.optim.SGD(ts.mlp().parameters(), lr=1.0, momentum=0.9)
+        plain.load_state_dict(opt.state_dict())
+        return isinstance(opt, torch.optim.SGD), opt.param_groups[0]["lr"], plain.param_groups[0]["lr"]
+    for is_sgd, lr, loaded_lr in run_local(2, fn):
+        assert is_sgd and lr == pytest.approx(0.025) and loaded_lr == pytest.approx(0.025)
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.01, 1e-6])
+def test_spardl_at_density_one_gives_the_exact_average_for_any_bucketing(bucket_cap_mb):
+    """rho = 1 selects everything: synchronize() must write exactly the average into every
+    .grad and leave no residual, whatever the bucketing (1e-6 MB: one bucket per parameter).
+    Integer-valued gradients make every partial sum exact, in any order."""
+    def fn(t):
+        model = ts.mlp()
+        opt = ts.make_optimizer(model, grace_from_params(ts.params_for("spardl", 1.0), transport=t),
+                                bucket_cap_mb=bucket_cap_mb)
+        g = torch.Generator().manual_seed(t.rank)
+        grads = [torch.randint(-50, 50, p.shape, generator=g).float() for p in model.parameters()]
+        for p, grad in zip(model.parameters(), grads):
+            p.grad = grad.clone()
+        opt.synchronize()
+        residual = sum(float(r.abs().sum()) for r in opt.grace.memory.residuals.values())
+        return grads, [p.grad for p in model.parameters()], residual, len(opt.buckets)
+    results = run_local(4, fn)
+    for i in range(4):
+        average = sum(r[0][i] for r in results) / 4
+        for r in results:
+            assert torch.equal(r[1][i], average)
+    assert all(r[2] == 0 for r in results)
+    assert results[0][3] == {None: 1, 0.01: 2, 1e-6: 4}[bucket_cap_mb]
+
+
+def test_backward_passes_per_step_accumulates_then_rejects_an_extra_pass():
+    def fn(t, passes):
+        model = ts.mlp()
+        opt = ts.make_optimizer(model, grace_from_params({"compressor": "none", "communicator": "dense"},
+                                                         transport=t),
+                                backward_passes_per_step=passes)
+        (x, y), = ts.batches(t.rank, t.size, 1, batch=64)
+        opt.zero_grad()
+        halves = [(x[:32], y[:32]), (x[32:], y[32:])] if passes == 2 else [(x, y)]
+        for xs, ys in halves:
+            (torch.nn.functional.cross_entropy(model(xs), ys, reduction="sum") / 64).backward()
+        opt.step()
+        if passes == 2:
+            opt.zero_grad()
+            for xs, ys in halves + halves[:1]:
+                try:
+                    torch.nn.functional.cross_entropy(model(xs), ys).backward()
+                except RuntimeError as exc:
+                    assert "backward_passes_per_step" in str(exc)
+                    break
+            else:
+                raise AssertionError("a third backward pass was accepted")
+        return ts.flat_params(model)
+    accumulated = run_local(2, lambda t: fn(t, 2))
+    single = run_local(2, lambda t: fn(t, 1))
+    assert torch.allclose(accumulated[0], single[0], atol=1e-6)
+
+
+def test_synchronize_clip_then_skip_synchronize():
+    def fn(t):
+        model = ts.mlp()
+        opt = ts.make_optimizer(model, grace_from_params(ts.params_for("spardl"), transport=t))
+        for x, y in ts.batches(t.rank, t.size, 3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            with opt.skip_synchronize():
+                opt.step()
+        norm = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
+        return ts.flat_params(model), float(norm), opt.compression_state_dict()["steps"]
+    results = run_local(3, fn)
+    assert_identical([r[0] for r in results])
+    assert all(r[1] == pytest.approx(0.01, rel=1e-4) and r[2] == 3 for r in results)
+
+
+def test_zero_grad_while_gradients_are_in_flight_raises():
+    def fn(t):
+        model = ts.mlp()
+        opt = ts.make_optimizer(model, grace_from_params(ts.params_for("spardl"), transport=t))
+        (x, y), = ts.batches(t.rank, t.size, 1)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="zero_grad"):
+            opt.zero_grad()
+        opt.step()
+        return True
+    assert all(run_local(2, fn))
+
+
+def test_a_parameter_unused_on_one_rank_does_not_deadlock():
+    """Rank 0 never uses `extra`: its bucket never fills there, and synchronize sends zeros
+    for it, in the same bucket order as the ranks that did use it."""
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = ts.mlp()
+            self.extra = torch.nn.Linear(784, 10)
+            torch.nn.init.constant_(self.extra.weight, 0.01)
+            torch.nn.init.zeros_(self.extra.bias)
+
+        def forward(self, x, use_extra):
+            return self.body(x) + (self.extra(x) if use_extra else 0)
+
+    def fn(t):
+        model = Branchy()
+        opt = ts.make_optimizer(model, grace_from_params(ts.params_for("spardl"), transport=t),
+                                bucket_cap_mb=0.05)
+        for x, y in ts.batches(t.rank, t.size, 4):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x, t.rank != 0), y).backward()
+            opt.step()
+        return ts.flat_params(model)
+    assert_identical(run_local(3, fn))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"grace": None}, ValueError, "needs a grace communicator"),
+    ({"named_parameters": [("a", None)]}, ValueError, "does not name"),
+    ({"named_parameters": "dup"}, ValueError, "duplicate names"),
+    ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step"),
+    ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb"),
+    ({"dense_warmup_steps": -1}, ValueError, "dense_warmup_steps"),
+])
+def test_bad_arguments_raise_clear_errors(kwargs, error, match):
+    def fn(t):
+        model = ts.mlp()
+        args = {"grace": grace_from_params(ts.params_for("spardl"), transport=t),
+                "named_parameters": model.named_parameters(), **kwargs}
+        if args["named_parameters"] == "dup":
+            args["named_parameters"] = [("w", p) for p in model.parameters()]
+        with pytest.raises(error, match=match):
+            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **args)
+        return True
+    assert all(run_local(1, fn))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients_keep_float32_residuals(dtype):
+    def fn(t):
+        model = ts.mlp(dtype)
+        grc = grace_from_params(ts.params_for("spardl"), transport=t)
+        losses = ts.train(model, ts.make_optimizer(model, grc), t.rank, t.size, 20)
+        residual_dtypes = {r.dtype for r in grc.memory.residuals.values()}
+        grad_dtypes = {p.grad.dtype for p in model.parameters()}
+        return ts.flat_params(model), torch.tensor(losses), residual_dtypes, grad_dtypes
+    results = run_local(3, fn)
+    assert_identical([r[0] for r in results])
+    for _, losses, residual_dtypes, grad_dtypes in results:
+        assert residual_dtypes == {torch.float32} and grad_dtypes == {dtype}
+        assert_loss_falls(losses)
+
+
+# ------------------------------------------------------------------- checkpoint and resume
+RESUME_CASES = {
+    "spardl": ts.params_for("spardl"),
+    "oktopk": ts.params_for("oktopk"),
+    "gtopk": ts.params_for("gtopk"),
+    "randomk-allgather": {"compressor": "randomk", "memory": "residual", "communicator": "allgather",
+                          "compress_ratio": 0.05},
+    "dgc": {"compressor": "dgc", "memory": "dgc", "communicator": "allgather", "compress_ratio": 0.05},
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+def test_resume_from_a_checkpoint_is_bit_identical(case, tmp_path):
+    """Train 6 steps; against it, train 3, save model, optimizer and compression state per
+    rank, build everything afresh, load (weights_only=True) and train 3 more."""
+    params = RESUME_CASES[case]
+
+    def fresh(t):
+        model = ts.mlp()
+        opt = ts.make_optimizer(model, grace_from_params(params, transport=t), dense_warmup_steps=1)
+        return model, opt
+
+    def uninterrupted(t):
+        model, opt = fresh(t)
+        ts.train(model, opt, t.rank, t.size, 6)
+        return ts.flat_params(model)
+
+    def resumed(t):
+        model, opt = fresh(t)
+        ts.train(model, opt, t.rank, t.size, 3)
+        path = tmp_path / f"rank{t.rank}.pt"
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "compression": opt.compression_state_dict()}, path)
+        model, opt = fresh(t)
+        saved = torch.load(path, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        opt.load_compression_state_dict(saved["compression"])
+        ts.train(model, opt, t.rank, t.size, 3, start=3)
+        return ts.flat_params(model)
+
+    expected = run_local(3, uninterrupted)
+    got = run_local(3, resumed)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+def test_resuming_with_another_world_size_fails_loudly():
+    def save(t):
+        model = ts.mlp()
+        opt = ts.make_optimizer(model, grace_from_params(ts.params_for("spardl"), transport=t))
+        ts.train(model, opt, t.rank, t.size, 2)
+        return opt.compression_state_dict()
+    state = run_local(2, save)[0]
+
+    def load(t):
+        model = ts.mlp()
+        opt = ts.make_optimizer(model, grace_from_params(ts.params_for("spardl"), transport=t))
+        with pytest.raises(ValueError, match="2 workers"):
+            opt.load_compression_state_dict(state)
+        return True
+    assert all(run_local(3, load))
+
+
+# ------------------------------------------------------ residuals across a change of buckets
+def test_residuals_follow_parameters_when_buckets_change():
+    """Step 1 with buckets [a, b] and [c], step 2 with one bucket [c, b, a] (DDP's rebuild
+    does this). Conservation at step 2, per parameter: the gradients plus the residuals left
+    by step 1 equal P times the result plus the new residuals."""
+    names, numels = ("a", "b", "c"), (5, 40, 11)
+    size = 3
+
+    def fn(t):
+        sync = GradientSync(grace_from_params(ts.params_for("spardl", 0.2), transport=t))
+        g = torch.Generator().manual_seed(t.rank)
+        grads = {n: torch.randn(k, generator=g) for n, k in zip(names, numels)}
+        sync.synchronize(torch.cat([grads["a"], grads["b"]]), Bucket(("a", "b"), (5, 40)))
+        sync.synchronize(grads["c"], Bucket(("c",), (11,)))
+        residuals = sync.grace.memory.residuals
+        old = {n: residuals[n].clone() for n in names}
+        new_grads = {n: torch.randn(k, generator=g) for n, k in zip(names, numels)}
+        bucket = Bucket(("c", "b", "a"), (11, 40, 5))
+        result = sync.synchronize(torch.cat([new_grads[n] for n in bucket.names]), bucket)
+        parts = dict(zip(bucket.names, torch.split(result, bucket.numels)))
+        return old, new_grads, parts, {n: residuals[n].clone() for n in names}, sorted(residuals)
+    results = run_local(size, fn)
+    for name in names:
+        assert_identical([r[2][name] for r in results])
+        before = sum(r[1][name] + r[0][name] for r in results)
+        after = size * results[0][2][name] + sum(r[3][name] for r in results)
+        assert torch.allclose(before, after, atol=1e-5), name
+    assert results[0][4] == list(names)  # stored per parameter, no bucket keys left behind
+
+
+def test_dense_warmup_and_small_buckets_are_sent_dense():
+    def fn(t):
+        sync = GradientSync(grace_from_params(ts.params_for("spardl", 0.1), transport=t),
+                            dense_warmup_steps=1, min_numel=50)
+        g = torch.Generator().manual_seed(t.rank)
+        small, large = Bucket(("s",), (49,)), Bucket(("l",), (200,))
+        out = []
+        for _ in range(2):
+            x, y = torch.randn(49, generator=g), torch.randn(200, generator=g)
+            out.append((x, y, sync.synchronize(x, small), sync.synchronize(y, large)))
+            sync.end_step()
+        return out
+    results = run_local(2, fn)
+    for step in range(2):
+        xs = sum(r[step][0] for r in results) / 2
+        ys = sum(r[step][1] for r in results) / 2
+        assert torch.equal(results[0][step][2], xs)  # small bucket: dense on every step
+        large_dense = torch.equal(results[0][step][3], ys)
+        assert large_dense == (step == 0)  # large bucket: dense only in warm-up
+
+
+# ------------------------------------------------------------------- real launchers
+@pytest.mark.parametrize("backend,size", [("horovod-gloo", 3), ("horovod-mpi", 2), ("gloo", 3),
+                                          ("mpi", 3)])
+def test_optimizer_under_real_launchers(launch, backend, size):
+    """horovodrun --gloo -np 3, horovodrun --mpi -np 2, torchrun --nproc-per-node 3, mpirun
+    -np 3: SparDL, gTop-k, Ok-Topk and TopkA train with identical replicas and falling loss."""
+    results = launch(backend, size, "training_scenarios.optimizer_training", timeout=400)
+    for algorithm in ts.ALGORITHMS:
+        assert_identical([r[algorithm]["params"] for r in results])
+        for r in results:
+            assert_loss_falls(r[algorithm]["losses"])
+
+
+def test_ddp_comm_hook_matches_the_optimizer_under_torchrun(launch):
+    results = launch("gloo", 3, "training_scenarios.ddp_matches_optimizer")
+    assert_identical([r["ddp"] for r in results])
+    for r in results:
+        assert torch.equal(r["ddp"], r["optimizer"])
+        assert torch.equal(r["ddp_losses"], r["losses"])
+        assert r["residual_names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def _dying_rank(rank: int, init_file: str, queue) -> None:
+    import torch.distributed as dist
+    from datetime import timedelta
+    from spardl_grace.transport.torch_dist import TorchDistTransport
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=3,
+                            timeout=timedelta(seconds=20))
+    transport = TorchDistTransport(timeout=5)
+    model = ts.mlp()
+    opt = ts.make_optimizer(model, grace_from_params(ts.params_for("spardl"), transport=transport))
+    start = None
+    try:
+        for step, (x, y) in enumerate(ts.batches(rank, 3, 10)):
+            if step == 3:
+                if rank == 2:
+                    import os
+                    os._exit(0)  # dies without a word, mid-training
+                start = time.monotonic()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        queue.put((rank, "no error", 0.0))
+    except TransportError as exc:
+        queue.put((rank, type(exc).__name__, time.monotonic() - start))
+
+
+def test_a_rank_dying_mid_training_makes_the_others_fail_within_the_timeout(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_dying_rank, args=(r, str(tmp_path / "init"), queue))
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    reports = sorted(queue.get(timeout=120) for _ in range(2))
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert [r[0] for r in reports] == [0, 1]
+    for _, kind, seconds in reports:
+        assert kind in ("TransportError", "TransportTimeout"), kind
+        assert seconds < 30
+
+
+def test_broadcast_parameters_copies_root_into_every_rank():
+    def fn(t):
+        model = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            model.weight.fill_(t.rank)
+            model.bias.fill_(-t.rank)
+        broadcast_parameters(model.state_dict(), root_rank=1, transport=t)
+        return ts.flat_params(model)
+    for r in run_local(3, fn):
+        assert torch.equal(r, torch.tensor([1.0] * 6 + [-1.0] * 2))

@@ -1,0 +1,107 @@
+"""Training scenarios for the integrations (DistributedOptimizer, the DDP comm hook,
+checkpoints), run in-process (run_local) and under real launchers (tests/mp_worker.py with a
+scenario named 'training_scenarios.NAME').
+
+The data is real: each rank trains on its own shard of Fashion-MNIST (the Debian package)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from spardl_grace import (CommHookState, DistributedOptimizer, broadcast_parameters, comm_hook,
+                          grace_from_params)
+
+ALGORITHMS = {
+    "spardl": {"communicator": "spardl", "memory": "global_residual"},
+    "gtopk": {"communicator": "gtopk", "memory": "global_residual"},
+    "oktopk": {"communicator": "oktopk", "memory": "global_residual",
+               "oktopk_threshold_interval": 4, "oktopk_region_interval": 8},
+    "topka": {"communicator": "topka", "memory": "global_residual"},
+}
+DENSITY = 0.05
+BATCH = 32
+
+
+def params_for(algorithm: str, density: float = DENSITY) -> dict:
+    return {"compressor": "topk", "compress_ratio": density, **ALGORITHMS[algorithm]}
+
+
+@functools.lru_cache(maxsize=1)
+def _images() -> tuple[torch.Tensor, torch.Tensor]:
+    from experiments.datasets import load_fashion_mnist
+    images, labels = load_fashion_mnist("train")
+    return images[:4096].reshape(4096, -1), labels[:4096]
+
+
+def batches(rank: int, size: int, steps: int, batch: int = BATCH):
+    """`steps` batches from rank's shard, the same on every call."""
+    images, labels = _images()
+    shard = torch.arange(rank, len(images), size)
+    order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(rank))]
+    for s in range(steps):
+        idx = order[(s * batch) % (len(order) - batch):][:batch]
+        yield images[idx], labels[idx]
+
+
+def mlp(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """784-32-10; the same initial weights on every rank and thread."""
+    model = torch.nn.Sequential(torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.to(dtype)
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def train(model, optimizer, rank: int, size: int, steps: int, start: int = 0) -> list[float]:
+    """Plain training loop (the optimizer synchronises); losses per step."""
+    losses = []
+    dtype = next(model.parameters()).dtype
+    for x, y in list(batches(rank, size, start + steps))[start:]:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def make_optimizer(model, grc, **kwargs):
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters(), **kwargs)
+
+
+def optimizer_training(transport, algorithms=tuple(ALGORITHMS), steps: int = 20) -> dict:
+    """Every algorithm through DistributedOptimizer: final parameters and losses."""
+    out = {}
+    for algorithm in algorithms:
+        model = mlp()
+        broadcast_parameters(model.state_dict(), 0, transport)
+        grc = grace_from_params(params_for(algorithm), transport=transport)
+        losses = train(model, make_optimizer(model, grc), transport.rank, transport.size, steps)
+        out[algorithm] = {"params": flat_params(model), "losses": torch.tensor(losses)}
+    return out
+
+
+def ddp_matches_optimizer(transport, steps: int = 12, dense_warmup_steps: int = 2) -> dict:
+    """The same SparDL training through DDP + comm_hook and through DistributedOptimizer
+    (needs torch.distributed: torchrun)."""
+    ddp_model = mlp()
+    ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+    state = CommHookState(grace_from_params(params_for("spardl"), transport=transport), ddp,
+                          dense_warmup_steps=dense_warmup_steps)
+    ddp.register_comm_hook(state, comm_hook)
+    ddp_losses = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9),
+                       transport.rank, transport.size, steps)
+    model = mlp()
+    grc = grace_from_params(params_for("spardl"), transport=transport)
+    losses = train(model, make_optimizer(model, grc, dense_warmup_steps=dense_warmup_steps),
+                   transport.rank, transport.size, steps)
+    return {"ddp": flat_params(ddp_model), "optimizer": flat_params(model),
+            "ddp_losses": torch.tensor(ddp_losses), "losses": torch.tensor(losses),
+            "residual_names": sorted(state.sync.grace.memory.residuals)}
