@@ -103,7 +103,8 @@ class Memory(ABC):
     def stores(self) -> list[dict[str, torch.Tensor]]:
         """The memory's per-name stores of tensors shaped like the gradient (residuals,
         velocities). Fused-buffer callers split them per parameter between steps, so they
-        survive a change of bucketing (spardl_grace.sync)."""
+        survive a change of bucketing, and put the old entries back after a failed step
+        (spardl_grace.sync). A memory must replace its entries, never change them in place."""
         return []
 
     def state_dict(self) -> dict[str, Any]:

@@ -55,30 +55,45 @@ def communication_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+class _Outcome:
+    keep = True
+
+
 @contextmanager
-def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[None]:
+def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
     """Within the block, the memory's stores hold the bucket's entries under bucket.key;
-    outside it, under each parameter's name (flat, numel entries each)."""
+    afterwards, under each parameter's name (flat, numel entries each). If the block fails or
+    sets `keep = False` on what it is given, the entries from before the block are put back:
+    memories replace their entries and never change them in place, so those are intact."""
+    saved = []
     for store in memory.stores():
         parts = [store.pop(name, None) for name in bucket.names]
+        saved.append((store, parts))
         present = next((p for p in parts if p is not None), None)
         if present is not None:
             store[bucket.key] = torch.cat([
                 (p if p is not None else present.new_zeros(n)).reshape(-1)
                 for p, n in zip(parts, bucket.numels)])
+    outcome = _Outcome()
     try:
-        yield
+        yield outcome
+    except BaseException:
+        outcome.keep = False
+        raise
     finally:
-        for store in memory.stores():
+        for store, parts in saved:
             whole = store.pop(bucket.key, None)
-            if whole is not None:
-                for name, part in zip(bucket.names, torch.split(whole.reshape(-1), bucket.numels)):
-                    store[name] = part
+            if outcome.keep and whole is not None:
+                store.update(zip(bucket.names, torch.split(whole.reshape(-1), bucket.numels)))
+            elif not outcome.keep:
+                store.update((n, p) for n, p in zip(bucket.names, parts) if p is not None)
 
 
 class GradientSync:
     """Synchronises the buckets of one model with a grace communicator.
 
+    A step whose result is not finite (an fp16 overflow that a GradScaler will skip, a NaN
+    batch) leaves the memory as it was, instead of poisoning the residuals for good.
     dense_warmup_steps: the first steps are plain dense averages (no selection, residuals
     untouched), as DGC-style warm-up. min_numel: buckets smaller than this are always sent
     dense (a few tiny tensors do not repay selection and headers). `end_step()` marks the end of
@@ -110,8 +125,11 @@ class GradientSync:
         flat = flat.to(communication_dtype(flat.dtype))
         if self.is_dense(bucket):
             return self.dense.step(flat, bucket.key)
-        with per_parameter_stores(self.grace.memory, bucket):
-            return self.grace.step(flat, bucket.key)
+        with per_parameter_stores(self.grace.memory, bucket) as outcome:
+            result = self.grace.step(flat, bucket.key)
+            # The result is identical on every rank, so all ranks decide alike, unasked.
+            outcome.keep = bool(torch.isfinite(result).all())
+        return result
 
     def end_step(self) -> None:
         self.steps += 1

@@ -196,6 +196,43 @@ def test_half_precision_gradients_keep_float32_residuals(dtype):
         assert_loss_falls(losses)
 
 
+def test_grad_scaler_overflow_skips_the_step_and_keeps_the_residuals():
+    """Horovod's AMP recipe: synchronize, unscale_, clip, step inside skip_synchronize. At
+    step 2 rank 1's loss overflows: every rank gets a non-finite average, the scaler skips
+    the step on every rank, and the residuals stay as they were."""
+    def fn(t):
+        model = ts.mlp()
+        grc = grace_from_params(ts.params_for("spardl"), transport=t)
+        opt = ts.make_optimizer(model, grc)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        record = []
+        for step, (x, y) in enumerate(ts.batches(t.rank, t.size, 5)):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            if step == 2 and t.rank == 1:
+                loss = loss * float("inf")
+            before = {n: r.clone() for n, r in grc.memory.residuals.items()}
+            params_before = ts.flat_params(model)
+            scaler.scale(loss).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+            same_residuals = before.keys() == grc.memory.residuals.keys() and all(
+                torch.equal(before[n], grc.memory.residuals[n]) for n in before)
+            record.append((torch.equal(params_before, ts.flat_params(model)), same_residuals))
+        finite = all(bool(torch.isfinite(r).all()) for r in grc.memory.residuals.values())
+        return ts.flat_params(model), record, finite
+    results = run_local(3, fn)
+    assert_identical([r[0] for r in results])
+    for _, record, finite in results:
+        assert [skipped for skipped, _ in record] == [False, False, True, False, False]
+        assert record[2][1] and not record[3][1]  # kept at the overflow, updated afterwards
+        assert finite
+
+
 # ------------------------------------------------------------------- checkpoint and resume
 RESUME_CASES = {
     "spardl": ts.params_for("spardl"),
