@@ -47,3 +47,84 @@ def load_fashion_mnist(split: str = "train", data_dir: Path | str | None = None
     images = torch.from_numpy(read_idx(images_path).copy()).float().div_(255).unsqueeze(1)
     labels = torch.from_numpy(read_idx(labels_path).astype(np.int64))
     return images, labels
+
+
+def load_mnist(split: str = "train", data_dir: Path | str | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MNIST from its IDX gzip files (the layout of Fashion-MNIST) under data_dir."""
+    if data_dir is None:
+        raise FileNotFoundError("MNIST does not install with the project: download the four "
+                                "*-idx*-ubyte.gz files of yann.lecun.com/exdb/mnist and pass "
+                                "--data-dir pointing at them")
+    return load_fashion_mnist(split, data_dir)
+
+
+def load_digits(split: str = "train", data_dir: Path | str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's 1,797 8 x 8 digits (bundled with it): images 1 x 8 x 8 in [0, 1]; the
+    first 1,437 are 'train', the last 360 'test'."""
+    _check_split(split)
+    try:
+        from sklearn.datasets import load_digits as sklearn_digits
+    except ImportError as exc:
+        raise FileNotFoundError("the digits data set comes with scikit-learn: "
+                                "pip install scikit-learn") from exc
+    bunch = sklearn_digits()
+    images = torch.from_numpy(bunch.images).float().div_(16).unsqueeze(1)
+    labels = torch.from_numpy(bunch.target.astype(np.int64))
+    cut = 1437
+    return (images[:cut], labels[:cut]) if split == "train" else (images[cut:], labels[cut:])
+
+
+def _check_split(split: str) -> None:
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+
+
+def _unpickle(path: Path) -> dict:
+    import pickle
+    with open(path, "rb") as f:
+        return pickle.load(f, encoding="bytes")
+
+
+def load_cifar(split: str, data_dir: Path | str | None, classes: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10 (cifar-10-batches-py/) or CIFAR-100 (cifar-100-python/) in the python pickle
+    format of www.cs.toronto.edu/~kriz/cifar.html: images 3 x 32 x 32 in [0, 1]."""
+    _check_split(split)
+    folder = "cifar-10-batches-py" if classes == 10 else "cifar-100-python"
+    root = Path(data_dir) / folder if data_dir is not None else None
+    if root is None or not root.is_dir():
+        raise FileNotFoundError(
+            f"CIFAR-{classes} not found: download the python version from "
+            f"https://www.cs.toronto.edu/~kriz/cifar.html, unpack it, and pass --data-dir "
+            f"pointing at the folder that holds {folder}/")
+    if classes == 10:
+        names = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
+        label_key = b"labels"
+    else:
+        names, label_key = [split], b"fine_labels"
+    batches = [_unpickle(root / n) for n in names]
+    data = np.concatenate([b[b"data"] for b in batches])
+    images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()).float().div_(255)
+    labels = torch.tensor([l for b in batches for l in b[label_key]], dtype=torch.int64)
+    return images, labels
+
+
+# name -> (loader(split, data_dir), channels, classes)
+DATASETS = {
+    "fashion-mnist": (load_fashion_mnist, 1, 10),
+    "mnist": (load_mnist, 1, 10),
+    "digits": (load_digits, 1, 10),
+    "cifar10": (lambda split, d: load_cifar(split, d, 10), 3, 10),
+    "cifar100": (lambda split, d: load_cifar(split, d, 100), 3, 100),
+}
+
+
+def load_dataset(name: str, split: str, data_dir: Path | str | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of a named data set; ValueError naming the choices for an unknown one,
+    FileNotFoundError saying how to get one that is missing."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; valid choices: {', '.join(sorted(DATASETS))}")
+    return DATASETS[name][0](split, data_dir)

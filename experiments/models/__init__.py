@@ -1,4 +1,32 @@
-"""Models for the experiments."""
+"""Models for the experiments, by the SparDL CLI's --dnn names."""
+from __future__ import annotations
+
+from torch import nn
+
+from .cnn import VGG, AlexNet, CifarResNet, ResNet50
 from .small import FashionCNN
 
-__all__ = ["FashionCNN"]
+MODELS = {
+    "resnet20": lambda c, k: CifarResNet(20, c, k),
+    "resnet56": lambda c, k: CifarResNet(56, c, k),
+    "resnet110": lambda c, k: CifarResNet(110, c, k),
+    "resnet50": lambda c, k: ResNet50(c, k),
+    "vgg16": lambda c, k: VGG(16, c, k),
+    "vgg19": lambda c, k: VGG(19, c, k),
+    "alexnet": lambda c, k: AlexNet(c, k),
+    "fashioncnn": lambda c, k: FashionCNN(k) if c == 1 else _channels_error("fashioncnn", c),
+}
+
+
+def _channels_error(name: str, channels: int):
+    raise ValueError(f"{name} takes 1-channel images, the data set has {channels}")
+
+
+def build_model(name: str, in_channels: int, classes: int) -> nn.Module:
+    """The --dnn model for images of `in_channels` channels and `classes` classes."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid choices: {', '.join(sorted(MODELS))}")
+    return MODELS[name](in_channels, classes)
+
+
+__all__ = ["FashionCNN", "CifarResNet", "ResNet50", "VGG", "AlexNet", "MODELS", "build_model"]

@@ -1,0 +1,175 @@
+"""The training CLI (experiments/main_trainer.py): models, data loaders on fixtures in the real
+file formats, every compressor name on 2 workers, config files, resume, and real launches."""
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, _env
+from experiments import main_trainer
+from experiments.datasets import DATASETS, load_dataset
+from experiments.models import MODELS, build_model
+from spardl_grace import run_local
+
+
+# ------------------------------------------------------------------------------- models
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32), (1, 8, 8)], ids=["28px", "32px", "8px"])
+def test_every_model_runs_forward_and_backward_on_its_inputs(name, shape):
+    if name == "fashioncnn" and shape[0] != 1:
+        with pytest.raises(ValueError, match="1-channel"):
+            build_model(name, shape[0], 10)
+        return
+    model = build_model(name, shape[0], 7)
+    logits = model(torch.randn(2, *shape))
+    assert logits.shape == (2, 7)
+    logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_model_sizes_match_the_papers():
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(build_model("resnet20", 3, 10)) == 272_474  # 0.27M in He et al.
+    assert 0.85e6 < count(build_model("resnet56", 3, 10)) < 0.86e6
+    assert 25.5e6 < count(build_model("resnet50", 3, 1000)) < 25.6e6
+
+
+def test_unknown_model_names_the_choices():
+    with pytest.raises(ValueError, match="valid choices: alexnet"):
+        build_model("resnet21", 3, 10)
+
+
+# ------------------------------------------------------------------------------- data sets
+def _write_cifar(root, classes):
+    rng = np.random.default_rng(0)
+    folder = root / ("cifar-10-batches-py" if classes == 10 else "cifar-100-python")
+    folder.mkdir()
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"] if classes == 10 \
+        else ["train", "test"]
+    key = b"labels" if classes == 10 else b"fine_labels"
+    for name in names:
+        batch = {b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8),
+                 key: rng.integers(0, classes, 4).tolist()}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+    return folder
+
+
+@pytest.mark.parametrize("classes", [10, 100])
+def test_cifar_loader_reads_the_python_pickle_format(tmp_path, classes):
+    folder = _write_cifar(tmp_path, classes)
+    images, labels = load_dataset(f"cifar{classes}", "train", tmp_path)
+    assert images.shape == ((20 if classes == 10 else 4), 3, 32, 32)
+    with open(folder / ("data_batch_1" if classes == 10 else "train"), "rb") as f:
+        first = pickle.load(f, encoding="bytes")
+    assert torch.equal(images[0], torch.from_numpy(first[b"data"][0].reshape(3, 32, 32)).float() / 255)
+    assert labels[:4].tolist() == first[b"labels" if classes == 10 else b"fine_labels"]
+    assert load_dataset(f"cifar{classes}", "test", tmp_path)[0].shape == (4, 3, 32, 32)
+
+
+def test_mnist_loader_reads_idx_files(tmp_path):
+    images = np.arange(3 * 28 * 28, dtype=np.uint64).reshape(3, 28, 28) % 256
+    header = bytes([0, 0, 8, 3]) + b"".join(n.to_bytes(4, "big") for n in (3, 28, 28))
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(
+        gzip.compress(header + images.astype(np.uint8).tobytes()))
+    (tmp_path / "train-labels-idx1-ubyte.gz").write_bytes(
+        gzip.compress(bytes([0, 0, 8, 1]) + (3).to_bytes(4, "big") + bytes([7, 1, 4])))
+    x, y = load_dataset("mnist", "train", tmp_path)
+    assert x.shape == (3, 1, 28, 28) and y.tolist() == [7, 1, 4]
+    assert float(x[0, 0, 0, 5]) == pytest.approx(5 / 255)
+
+
+@pytest.mark.parametrize("name,match", [("cifar10", "cs.toronto.edu"), ("mnist", "--data-dir")])
+def test_a_missing_data_set_says_how_to_get_it(tmp_path, name, match):
+    with pytest.raises(FileNotFoundError, match=match):
+        load_dataset(name, "train", None if name == "mnist" else tmp_path)
+
+
+def test_installed_data_sets_load():
+    x, y = load_dataset("fashion-mnist", "test")
+    assert x.shape == (10000, 1, 28, 28) and int(y.max()) == 9
+    x, y = load_dataset("digits", "train")
+    assert x.shape == (1437, 1, 8, 8) and float(x.max()) == 1.0
+    with pytest.raises(ValueError, match="valid choices"):
+        load_dataset("svhn", "train")
+    assert set(DATASETS) >= {"fashion-mnist", "mnist", "digits", "cifar10", "cifar100"}
+
+
+# ------------------------------------------------------------------------------- training
+def _args(tmp_path, *extra):
+    return main_trainer.parse_args([
+        "--dnn", "fashioncnn", "--dataset", "digits", "--batch-size", "16", "--max-epochs", "1",
+        "--max-steps", "3", "--lr", "0.05", "--density", "0.05", "--out", str(tmp_path), *extra])
+
+
+@pytest.mark.parametrize("compressor", main_trainer.COMPRESSORS)
+def test_every_compressor_trains_identical_replicas_on_two_workers(tmp_path, compressor):
+    args = _args(tmp_path, "--compression", "--compressor", compressor)
+    summaries = run_local(2, lambda t: main_trainer.train(args, t))
+    finals = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in range(2)]
+    assert torch.equal(finals[0]["params"], finals[1]["params"])
+    assert summaries[0]["test_accuracy"] == summaries[1]["test_accuracy"]
+    assert np.isfinite(summaries[0]["train_loss"])
+
+
+def test_log_files_hold_every_step_and_epoch(tmp_path):
+    args = _args(tmp_path, "--compression", "--compressor", "spardl", "--max-epochs", "2")
+    run_local(2, lambda t: main_trainer.train(args, t))
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["step"] * 3 + ["epoch"] + ["step"] * 3 + ["epoch"]
+    epoch = records[-1]
+    assert 0 < epoch["compression_ratio"] < 0.5 and epoch["bytes_sent_per_step"] > 0
+    assert len((tmp_path / "epochs.csv").read_text().splitlines()) == 3
+
+
+def test_resume_continues_bit_identically(tmp_path):
+    full = _args(tmp_path / "full", "--compression", "--compressor", "oktopk", "--max-epochs", "2")
+    run_local(2, lambda t: main_trainer.train(full, t))
+    first = _args(tmp_path / "cut", "--compression", "--compressor", "oktopk", "--max-epochs", "1")
+    run_local(2, lambda t: main_trainer.train(first, t))
+    rest = _args(tmp_path / "cut", "--compression", "--compressor", "oktopk", "--max-epochs", "2",
+                 "--resume")
+    run_local(2, lambda t: main_trainer.train(rest, t))
+    for r in range(2):
+        a = torch.load(tmp_path / "full" / f"final-rank{r}.pt", weights_only=True)["params"]
+        b = torch.load(tmp_path / "cut" / f"final-rank{r}.pt", weights_only=True)["params"]
+        assert torch.equal(a, b)
+
+
+def test_config_file_gives_the_same_options_as_the_command_line(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("dnn: vgg16\ndataset: digits\nmax-epochs: 3\ncompression: true\n"
+                      "compressor: gtopk\ndensity: 0.02\n")
+    from_file = main_trainer.parse_args(["--config", str(config), "--density", "0.05"])
+    from_cli = main_trainer.parse_args(["--dnn", "vgg16", "--dataset", "digits", "--max-epochs", "3",
+                                        "--compression", "--compressor", "gtopk", "--density", "0.05"])
+    assert vars(from_file) == {**vars(from_cli), "config": str(config)}
+    (tmp_path / "bad.json").write_text(json.dumps({"dnn": "vgg16", "epochs": 3}))
+    with pytest.raises(SystemExit, match="unknown option 'epochs'"):
+        main_trainer.parse_args(["--config", str(tmp_path / "bad.json")])
+
+
+@pytest.mark.parametrize("launch_with", ["self", "torchrun"])
+def test_real_launches(tmp_path, launch_with):
+    """As a plain command with --nworkers 2 (it spawns its own gloo workers), and under
+    torchrun with 2 processes."""
+    options = ["-m", "experiments.main_trainer", "--dnn", "fashioncnn", "--dataset", "digits",
+               "--compression", "--compressor", "spardl", "--batch-size", "16", "--max-steps", "4",
+               "--out", str(tmp_path), "--timeout", "60"]
+    if launch_with == "self":
+        cmd = [sys.executable, *options, "--nworkers", "2"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               *options]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    finals = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in range(2)]
+    assert torch.equal(finals[0]["params"], finals[1]["params"])
+    assert (tmp_path / "epochs.csv").exists()
