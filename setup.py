@@ -22,6 +22,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["spardl_grace*", "deepreduce_compat*", "experiments*", "benchmarks*"]),
     install_requires=read_requirements("base.txt"),
+    entry_points={"console_scripts": ["spardl-train=experiments.main_trainer:main"]},
     extras_require={
         "dev": read_requirements("dev.txt"),
         "mpi": ["mpi4py>=4.0"],
