@@ -9,10 +9,13 @@ from typing import Iterable
 import torch
 
 
-def flatten_grads(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """The gradients of `params` concatenated (zeros for parameters without a gradient)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+def flatten_grads(params: Iterable[torch.nn.Parameter],
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The gradients of `params` concatenated (zeros for parameters without a gradient), in
+    `dtype` if given."""
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                       for p in params])
+    return flat if dtype is None else flat.to(dtype)
 
 
 def assign_grads(params: Iterable[torch.nn.Parameter], flat: torch.Tensor) -> None:

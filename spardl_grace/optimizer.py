@@ -23,7 +23,8 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .api import Communicator
-from .sync import Bucket, GradientSync, communication_dtype, flatten
+from .fusion import assign_grads, flatten_grads
+from .sync import Bucket, GradientSync, communication_dtype
 
 
 def plan_buckets(named: list[tuple[str, torch.nn.Parameter]],
@@ -80,7 +81,6 @@ class _BucketSlot:
         self.params = [p for _, p in members]
         self.bucket = Bucket(tuple(n for n, _ in members), tuple(p.numel() for p in self.params))
         self.dtype = communication_dtype(self.params[0].dtype)
-        self.device = self.params[0].device
         self.ready = 0
 
 
@@ -138,7 +138,7 @@ class _DistributedOptimizer:
             self._launch(slot)
 
     def _launch(self, slot: _BucketSlot) -> None:
-        flat = flatten([p.grad for p in slot.params], slot.bucket.numels, slot.dtype, slot.device)
+        flat = flatten_grads(slot.params, slot.dtype)
         if self._executor is not None:
             self._pending.append(self._executor.submit(self._sync.synchronize, flat, slot.bucket))
             return
@@ -157,12 +157,7 @@ class _DistributedOptimizer:
             self._launch(self._slots[len(self._pending)])
         try:
             for slot, future in zip(self._slots, self._pending):
-                result = future.result()
-                for p, part in zip(slot.params, torch.split(result, slot.bucket.numels)):
-                    if p.grad is None:
-                        p.grad = part.view_as(p).to(p.dtype).clone()
-                    else:
-                        p.grad.copy_(part.view_as(p))
+                assign_grads(slot.params, future.result())
         finally:
             self._pending = []
             for slot in self._slots:

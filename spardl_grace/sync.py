@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 
@@ -148,14 +148,3 @@ class GradientSync:
         self.grace.load_state_dict(state["grace"])
         self.steps = int(state["steps"])
 
-
-def flatten(tensors: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
-    """The tensors back to back in one flat buffer of `dtype`; None counts as zeros."""
-    out = torch.zeros(sum(numels), dtype=dtype, device=device)
-    offset = 0
-    for t, n in zip(tensors, numels):
-        if t is not None:
-            out[offset:offset + n] = t.reshape(-1)
-        offset += n
-    return out
