@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from experiments.datasets import load_fashion_mnist
+from experiments.main_trainer import evaluate, free_port
 from experiments.models import FashionCNN
 from spardl_grace import CountingTransport, grace_from_params
 from spardl_grace.fusion import assign_grads, flatten_grads
@@ -33,21 +33,6 @@ CONFIGS = {
     "spardl": {"compressor": "topk", "memory": "global_residual", "communicator": "spardl"},
     "topk_allgather": {"compressor": "topk", "memory": "residual", "communicator": "allgather"},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    model.eval()
-    with torch.no_grad():
-        logits = torch.cat([model(images[i:i + 1000]) for i in range(0, len(images), 1000)])
-    model.train()
-    loss = torch.nn.functional.cross_entropy(logits, labels).item()
-    return loss, (logits.argmax(1) == labels).float().mean().item()
 
 
 def worker(rank: int, world: int, port: int, algo: str, args: argparse.Namespace, out: str) -> None:
@@ -86,7 +71,7 @@ def worker(rank: int, world: int, port: int, algo: str, args: argparse.Namespace
             history.append(loss.item())
             steps += 1
     wall = time.perf_counter() - start
-    test_loss, test_acc = _evaluate(model, test_images, test_labels)
+    test_loss, test_acc = evaluate(model, test_images, test_labels)
     digest = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     result = {"algorithm": algo, "rank": rank, "loss_history": history, "test_loss": test_loss,
               "test_accuracy": test_acc, "steps": steps, "wall_s": wall, "sync_s": comm_seconds,
@@ -98,7 +83,7 @@ def worker(rank: int, world: int, port: int, algo: str, args: argparse.Namespace
 
 
 def run_algorithm(algo: str, args: argparse.Namespace, out: Path) -> list[dict]:
-    mp.spawn(worker, args=(args.workers, _free_port(), algo, args, str(out)), nprocs=args.workers)
+    mp.spawn(worker, args=(args.workers, free_port(), algo, args, str(out)), nprocs=args.workers)
     return [torch.load(out / f"{algo}-rank{r}.pt", weights_only=True) for r in range(args.workers)]
 
 

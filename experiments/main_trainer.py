@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--max-epochs", type=int, default=1)
     p.add_argument("--warmup-epochs", type=float, default=0.0, help="lr from lr/P to lr over these epochs")
-    p.add_argument("--lr-decay", default="", help="comma-separated epochs at which lr is multiplied by 0.1")
+    p.add_argument("--lr-decay", type=epoch_list, default=(),
+                   help="comma-separated epochs at which lr is multiplied by 0.1")
     p.add_argument("--compression", action="store_true", help="use --compressor (otherwise dense)")
     p.add_argument("--compressor", default="spardl", choices=COMPRESSORS)
     p.add_argument("--density", type=float, default=0.01)
@@ -111,6 +112,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.nworkers < 1 or args.batch_size < 1 or args.max_epochs < 0:
         p.error("--nworkers and --batch-size must be >= 1, --max-epochs >= 0")
     return args
+
+
+def epoch_list(text: str) -> tuple[float, ...]:
+    """'81,122' -> (81.0, 122.0); argparse reports a bad value as an error."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated epochs, got {text!r}") from None
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -143,7 +152,7 @@ def launcher() -> str:
     return "none"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -163,7 +172,7 @@ def start(args: argparse.Namespace) -> None:
     kind = launcher()
     if kind == "none" and args.nworkers > 1:
         import torch.multiprocessing as mp
-        mp.spawn(_spawned, args=(args.nworkers, _free_port(), args), nprocs=args.nworkers)
+        mp.spawn(_spawned, args=(args.nworkers, free_port(), args), nprocs=args.nworkers)
         return
     from spardl_grace.transport import default_transport, run_local
     if kind == "none":
@@ -189,8 +198,8 @@ def lr_factor(step: int, steps_per_epoch: int, args: argparse.Namespace, world: 
     factor = 1.0
     if args.warmup_epochs > 0 and epoch < args.warmup_epochs:
         factor = 1.0 / world + (1.0 - 1.0 / world) * epoch / args.warmup_epochs
-    for milestone in filter(None, args.lr_decay.split(",")):
-        if epoch >= float(milestone):
+    for milestone in args.lr_decay:
+        if epoch >= milestone:
             factor *= 0.1
     return factor
 
@@ -266,9 +275,9 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
     """Train on this rank; returns the final summary (identical metrics on every rank)."""
     import spardl_grace
     from experiments.datasets import DATASETS, load_dataset
+    from spardl_grace.transport.counting import ring_allreduce_bytes
     from experiments.models import build_model
 
-    torch.set_num_threads(max(1, torch.get_num_threads() // max(transport.size, 1)))
     counting = spardl_grace.CountingTransport(transport)
     rank, world = transport.rank, transport.size
     images, labels = load_dataset(args.dataset, "train", args.data_dir)
@@ -292,7 +301,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, steps_per_epoch, args, world))
     n_params = sum(p.numel() for p in model.parameters())
-    dense_bytes = 2 * n_params * 4 * (world - 1) / world  # a ring all-reduce of fp32
+    dense_bytes = ring_allreduce_bytes(4 * n_params, world)  # fp32 gradients, dense
 
     out = Path(args.out)
     checkpoint = out / f"ckpt-rank{rank}.pt"

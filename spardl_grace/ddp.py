@@ -68,9 +68,10 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     params = bucket.parameters()
     canonical, order = state.canonical(params)
     ddp_parts = torch.split(buffer, [p.numel() for p in params])
-    flat = torch.cat([ddp_parts[j] for j in order]) if order != sorted(order) else buffer
+    reordered = order != sorted(order)
+    flat = torch.cat([ddp_parts[j] for j in order]) if reordered else buffer
     result = state.sync.synchronize(flat, canonical)
-    if order != sorted(order):
+    if reordered:
         parts = dict(zip(order, torch.split(result, canonical.numels)))
         result = torch.cat([parts[j] for j in range(len(params))])
     if bucket.is_last():

@@ -10,6 +10,7 @@ import torch
 
 from ..payload import PayloadCodec, frame_overhead, pack_frames, unpack_frames
 from ..transport import Transport
+from ..transport.counting import ring_allreduce_bytes
 from .schedules import bruck_rounds
 
 RADIX_BITS = 4  # digit width of the distributed radix select: 16 counters per round
@@ -86,8 +87,8 @@ def bruck_allgather(transport: Transport, piece: torch.Tensor, group: list[int],
 def counted_allreduce(transport: Transport, tensor: torch.Tensor, name: str,
                       stats: "StepStats", phase: str) -> torch.Tensor:
     """transport.allreduce, counted as a ring all-reduce: 2(P-1)/P of the tensor's bytes."""
-    size = transport.size
-    stats.add_bytes(phase, 2 * tensor.numel() * tensor.element_size() * (size - 1) // size)
+    nbytes = tensor.numel() * tensor.element_size()
+    stats.add_bytes(phase, ring_allreduce_bytes(nbytes, transport.size))
     with stats.timer("comm_s"):
         return transport.allreduce(tensor, name)
 

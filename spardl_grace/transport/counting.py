@@ -33,6 +33,11 @@ class Message:
         return self.name.split(".", 1)[0]
 
 
+def ring_allreduce_bytes(nbytes: int, size: int) -> int:
+    """Bytes each rank sends (and receives) in a ring all-reduce of `nbytes`: 2(P-1)/P of them."""
+    return 2 * nbytes * (size - 1) // size
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -88,7 +93,7 @@ class CountingTransport(Transport):
 
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         out = self.inner.allreduce(tensor, name)
-        volume = 2 * _nbytes(tensor) * (self.size - 1) // self.size
+        volume = ring_allreduce_bytes(_nbytes(tensor), self.size)
         self._record("allreduce", name, -1, volume, volume)
         return out
 
