@@ -391,11 +391,12 @@ def _progress(rank: int, total: int):
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Several ranks share a machine's cores; the spawned workers inherit this.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     start(args)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
