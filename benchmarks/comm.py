@@ -1,0 +1,239 @@
+"""Every sparse all-reduce side by side, on real processes and a real transport.
+
+    python -m benchmarks.comm --algorithms dense,topka,topkdsa,gtopk,oktopk,spardl \\
+        --workers 4 --numel 14700000 --density 0.01 --repeat 10 --json out.json
+    python -m benchmarks.comm --gradient vgg16 --bandwidth 1gbit ...   # a real model's gradient,
+                                                                       # on an emulated 1 Gbit net
+
+Each of --workers processes (gloo over TCP by default; --backend mpi or horovod) makes its
+gradients once, then runs each algorithm in turn in the same run: --warmup untimed steps and
+--repeat timed ones, with error feedback carried from step to step. A step's time is that of
+its slowest rank (a barrier precedes each step); its communication time is that of the rank
+that waited least for the others, the best estimate of the time on the wire. Recorded per algorithm: median, quartiles and
+range of the total, selection, communication and coding seconds; bytes sent per rank against
+the cost formula (benchmarks.costmodel); the ratio of its time to dense's; rank 0's message
+trace and every rank's step statistics (the simulator's input). --bandwidth runs the ranks in
+network namespaces whose links tc shapes to that rate (benchmarks.netem; root only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import costmodel
+from benchmarks.netem import EmulatedNetwork, rate_bits_per_s
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ("gloo", "mpi", "horovod")
+GRADIENTS = ("random", "resnet20", "resnet56", "resnet50", "vgg16", "vgg19", "alexnet", "fashioncnn")
+TIMES = ("total_s", "selection_s", "comm_s", "coding_s")
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine()}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--algorithms", default=",".join(costmodel.ALGORITHMS),
+                   help=f"comma-separated of {', '.join(costmodel.ALGORITHMS)}")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--numel", type=int, default=14_700_000, help="gradient size (random gradients)")
+    p.add_argument("--gradient", default="random", choices=GRADIENTS,
+                   help="seeded noise, or that model's real gradient on Fashion-MNIST batches")
+    p.add_argument("--batch-size", type=int, default=16, help="per rank, for model gradients")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--teams", type=int, default=1, help="SparDL's d")
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--backend", default="gloo", choices=BACKENDS)
+    p.add_argument("--bandwidth", default=None, help="emulate links of this rate, e.g. 100mbit, 1gbit")
+    p.add_argument("--codec", default=None,
+                   help="DeepReduce codec as JSON GRACE keys, e.g. '{\"deepreduce\": \"index\", \"index\": \"delta\"}'")
+    p.add_argument("--device", default="cpu", help="where the gradients live (cpu, cuda)")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    args.algorithms = [a for a in args.algorithms.split(",") if a]
+    unknown = set(args.algorithms) - set(costmodel.ALGORITHMS)
+    if unknown or not args.algorithms:
+        p.error(f"unknown algorithms {sorted(unknown)}; valid choices: {', '.join(costmodel.ALGORITHMS)}")
+    if args.workers < 2:
+        p.error("--workers must be >= 2")
+    if args.teams < 1 or args.workers % args.teams:
+        p.error(f"--teams must divide --workers ({args.workers})")
+    if not 0 < args.density <= 1:
+        p.error("--density must be in (0, 1]")
+    if args.bandwidth is not None:
+        try:
+            rate_bits_per_s(args.bandwidth)
+        except ValueError as exc:
+            p.error(str(exc))
+        if args.backend != "gloo":
+            p.error("--bandwidth emulates the network for --backend gloo only")
+    try:
+        args.codec = json.loads(args.codec) if args.codec else {}
+    except json.JSONDecodeError as exc:
+        p.error(f"--codec is not JSON: {exc}")
+    if args.repeat < 1 or args.warmup < 0:
+        p.error("--repeat must be >= 1 and --warmup >= 0")
+    return args
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    bin_dir = str(Path(sys.executable).parent)
+    env.update({"PYTHONPATH": f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}",
+                "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMPI_MCA_rmaps_base_oversubscribe": "1",
+                "OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
+    return env
+
+
+def launch(args: argparse.Namespace, config: Path, net: EmulatedNetwork | None) -> None:
+    """Run the workers to completion; raises RuntimeError with their output if one fails."""
+    worker = [sys.executable, "-m", "benchmarks.comm_worker", str(config)]
+    env = _env()
+    if args.backend == "mpi":
+        cmds = [["mpirun", "-np", str(args.workers), *worker]]
+        envs = [env]
+    elif args.backend == "horovod":
+        horovodrun = shutil.which("horovodrun", path=env["PATH"]) or "horovodrun"
+        cmds = [[horovodrun, "-np", str(args.workers), "-H", f"localhost:{args.workers}",
+                 "--gloo", *worker]]
+        envs = [env]
+    else:
+        from experiments.main_trainer import free_port
+        port = str(free_port())
+        cmds, envs = [], []
+        for rank in range(args.workers):
+            rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(args.workers),
+                            LOCAL_RANK=str(rank), MASTER_PORT=port,
+                            MASTER_ADDR=net.address(0) if net else "127.0.0.1")
+            if net:
+                rank_env["GLOO_SOCKET_IFNAME"] = net.interface(rank)
+            cmds.append(net.command(rank, worker) if net else worker)
+            envs.append(rank_env)
+    logs = [tempfile.TemporaryFile() for _ in cmds]
+    procs = [subprocess.Popen(c, cwd=ROOT, env=e, stdout=log, stderr=subprocess.STDOUT)
+             for c, e, log in zip(cmds, envs, logs)]
+    deadline = time.monotonic() + args.timeout * 2
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode != 0 for p in procs):
+        tails = []
+        for i, log in enumerate(logs):
+            log.seek(0)
+            tails.append(f"--- process {i} (exit {procs[i].returncode}):\n"
+                         + log.read().decode(errors="replace")[-3000:])
+        raise RuntimeError("benchmark workers failed\n" + "\n".join(tails))
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, quartiles and range."""
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return {"median": statistics.median(values), "p25": q[0], "p75": q[2],
+            "min": min(values), "max": max(values)}
+
+
+def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Per algorithm: step times (slowest rank per step), bytes, formula, ratio to dense."""
+    numel = ranks[0]["numel"]
+    out: dict[str, Any] = {}
+    for name in args.algorithms:
+        per_rank = [r["algorithms"][name]["steps"] for r in ranks]
+        steps = len(per_rank[0])
+        # A step takes as long as its slowest rank. Communication is timed on the rank that
+        # waited least: the others' comm_s also holds the wait for the last one to arrive.
+        times = {t: spread([(min if t == "comm_s" else max)(rank_steps[i][t] for rank_steps in per_rank)
+                            for i in range(steps)]) for t in TIMES}
+        mean_bytes = [statistics.fmean(s["bytes_sent"] for s in rank_steps) for rank_steps in per_rank]
+        h = None
+        if name == "spardl" and args.teams > 1:
+            h = statistics.fmean(s["stats"]["cross_entries"] for rs in per_rank for s in rs)
+        formula = costmodel.formula_bytes(name, numel, args.workers, args.density, args.teams, h)
+        # gTop-k's formula is its busiest rank's; every other algorithm's is symmetric.
+        measured = max(mean_bytes) if name == "gtopk" else statistics.fmean(mean_bytes)
+        out[name] = {**times, "bytes_sent_per_rank": statistics.fmean(mean_bytes),
+                     "bytes_sent_max_rank": max(mean_bytes), "formula_bytes": formula,
+                     "bytes_vs_formula": measured / formula if formula else None,
+                     "messages_rank0": ranks[0]["algorithms"][name]["messages"],
+                     "stats": [[s["stats"] for s in rs] for rs in per_rank]}
+    if "dense" in out:
+        dense = out["dense"]["total_s"]["median"]
+        for record in out.values():
+            record["time_vs_dense"] = record["total_s"]["median"] / dense
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Launch, collect and summarise one benchmark run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp, "config.json")
+        config.write_text(json.dumps({
+            "algorithms": args.algorithms, "workers": args.workers, "numel": args.numel,
+            "gradient": args.gradient, "batch_size": args.batch_size, "density": args.density,
+            "teams": args.teams, "repeat": args.repeat, "warmup": args.warmup,
+            "codec": args.codec, "device": args.device, "timeout": args.timeout, "out": tmp}))
+        if args.bandwidth:
+            with EmulatedNetwork(args.workers, args.bandwidth) as net:
+                launch(args, config, net)
+        else:
+            launch(args, config, None)
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.workers)]
+    config = {k: v for k, v in vars(args).items() if k != "json"}
+    return {"machine": machine(), "config": config, "numel": ranks[0]["numel"],
+            "link": ranks[0]["link"], "algorithms": summarise(ranks, args)}
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"{result['config']['workers']} workers, {result['numel']:,} entries "
+             f"({result['config']['gradient']}), density {result['config']['density']}, "
+             f"network {result['config']['bandwidth'] or 'unshaped'}, backend "
+             f"{result['config']['backend']}; medians over steps",
+             f"{'algorithm':10s} {'total s':>9s} {'select s':>9s} {'comm s':>9s} {'coding s':>9s} "
+             f"{'MB/rank':>9s} {'vs formula':>10s} {'vs dense':>9s}"]
+    for name, r in result["algorithms"].items():
+        vs_formula = f"{r['bytes_vs_formula']:.3f}" if r["bytes_vs_formula"] else "-"
+        lines.append(f"{name:10s} {r['total_s']['median']:9.3f} {r['selection_s']['median']:9.3f} "
+                     f"{r['comm_s']['median']:9.3f} {r['coding_s']['median']:9.3f} "
+                     f"{r['bytes_sent_per_rank'] / 1e6:9.3f} {vs_formula:>10s} "
+                     f"{r.get('time_vs_dense', float('nan')):9.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    result = run(args)
+    print(table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""One rank of benchmarks.comm: `python -m benchmarks.comm_worker CONFIG.json`.
+
+Joins the launcher's ranks (env:// for gloo, mpirun, horovodrun), measures the link (alpha and
+beta between ranks 0 and 1), makes the gradients, then times every algorithm in turn on the
+same gradients and writes OUT/rank{r}.json. Started by benchmarks.comm, not by hand.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spardl_grace import CountingTransport, grace_from_params
+from spardl_grace.transport import Transport, default_transport
+
+STAT_TIMES = ("selection_s", "comm_s", "coding_s")
+
+
+def join(timeout: float) -> Transport:
+    """The transport of whichever launcher started us."""
+    from experiments.main_trainer import launcher
+    kind = launcher()
+    if kind == "horovod":
+        import horovod.torch as hvd
+        hvd.init()
+    elif kind == "torchrun":
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
+    return default_transport(timeout=timeout)
+
+
+def algorithm_params(name: str, density: float, teams: int, codec: dict[str, Any]) -> dict[str, Any]:
+    """GRACE params of one benchmarked algorithm (the same table as the training CLI)."""
+    if name == "dense":
+        return {"compressor": "none", "memory": "none", "communicator": "dense"}
+    params = {"compressor": "topk", "memory": "global_residual", "communicator": name,
+              "compress_ratio": density, **codec}
+    if name == "spardl":
+        params["teams"] = teams
+    return params
+
+
+def gradients(cfg: dict[str, Any], rank: int, steps: int) -> list[torch.Tensor]:
+    """`steps` flat gradients of this rank: seeded normal noise, or a real model's gradient on
+    this rank's own Fashion-MNIST batches."""
+    device = torch.device(cfg["device"])
+    if cfg["gradient"] == "random":
+        g = torch.Generator().manual_seed(1000 * rank + 1)
+        return [torch.randn(cfg["numel"], generator=g).to(device) for _ in range(steps)]
+    from experiments.datasets import load_fashion_mnist
+    from experiments.models import build_model
+    from spardl_grace.fusion import flatten_grads
+    images, labels = load_fashion_mnist("train")
+    torch.manual_seed(0)
+    model = build_model(cfg["gradient"], 1, 10).to(device)
+    batch = cfg["batch_size"]
+    out = []
+    for step in range(steps):
+        lo = ((step * cfg["workers"]) + rank) * batch % (len(images) - batch)
+        model.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(images[lo:lo + batch].to(device)),
+                                                 labels[lo:lo + batch].to(device))
+        loss.backward()
+        out.append(flatten_grads(model.parameters()).clone())
+    return out
+
+
+def measure_link(transport: Transport, repeat: int = 30, nbytes: int = 4 << 20) -> dict[str, float]:
+    """alpha: half the median round trip of a 4-byte exchange between ranks 0 and 1; beta: the
+    median seconds per byte of a `nbytes` exchange, alpha removed. The other ranks exchange with
+    themselves (Horovod's exchanges are collectives that every rank must enter)."""
+    result = {"alpha": 0.0, "beta": 0.0}
+    rank = transport.rank
+    if transport.size < 2:
+        return result
+    peer = 1 - rank if rank < 2 else rank
+    small, big = torch.zeros(1), torch.zeros(nbytes // 4)
+    for what, tensor, times in (("alpha", small, repeat), ("beta", big, max(3, repeat // 6))):
+        samples = []
+        for i in range(times):
+            transport.barrier(f"link.{what}.{i}")
+            start = time.perf_counter()
+            transport.sendrecv(tensor, peer, peer, f"link.{what}.{i}.a")
+            transport.sendrecv(tensor, peer, peer, f"link.{what}.{i}.b")
+            samples.append((time.perf_counter() - start) / 2)
+        if rank < 2:
+            one_way = statistics.median(samples)
+            result[what] = one_way if what == "alpha" else max(one_way - result["alpha"], 0.0) / nbytes
+    shared = transport.broadcast(torch.tensor([result["alpha"], result["beta"]], dtype=torch.float64),
+                                 0, "link.result")
+    return {"alpha": float(shared[0]), "beta": float(shared[1])}
+
+
+def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
+                   transport: Transport) -> dict[str, Any]:
+    """Warm-up steps, then `repeat` timed steps; per step this rank's seconds and bytes, and the
+    last step's message trace and statistics."""
+    counting = CountingTransport(transport)
+    grc = grace_from_params(algorithm_params(name, cfg["density"], cfg["teams"], cfg["codec"]),
+                            transport=counting)
+    steps = []
+    for i, grad in enumerate(grads):
+        counting.reset()
+        transport.barrier(f"{name}.{i}")
+        start = time.perf_counter()
+        grc.step(grad.clone(), "grad")
+        if grad.is_cuda:
+            torch.cuda.synchronize(grad.device)
+        total = time.perf_counter() - start
+        if i < cfg["warmup"]:
+            continue
+        stats = dict(grc.last_stats)
+        steps.append({"total_s": total, **{k: float(stats.get(k, 0.0)) for k in STAT_TIMES},
+                      "bytes_sent": counting.bytes_sent, "stats": stats})
+    messages = [[m.op, m.name, m.peer, m.bytes_sent, m.bytes_received] for m in counting.messages]
+    return {"steps": steps, "messages": messages}
+
+
+def main(config_path: str) -> None:
+    cfg = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(1)
+    transport = join(cfg["timeout"])
+    rank = transport.rank
+    if transport.size != cfg["workers"]:
+        raise SystemExit(f"launched {transport.size} ranks, the config says {cfg['workers']}")
+    link = measure_link(transport)
+    grads = gradients(cfg, rank, cfg["warmup"] + cfg["repeat"])
+    out = {"rank": rank, "numel": grads[0].numel(), "link": link, "algorithms": {}}
+    for name in cfg["algorithms"]:
+        out["algorithms"][name] = time_algorithm(name, cfg, grads, transport)
+    Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out))
+    transport.barrier("done")
+    if "RANK" in os.environ and "HOROVOD_RANK" not in os.environ:
+        from spardl_grace.transport.torch_dist import destroy_and_exit
+        destroy_and_exit()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,354 @@
+"""Cost formulas and an alpha-beta network model for every sparse all-reduce of the project.
+
+Three things, all pure functions (no communication), so tests can check them:
+
+* `formula_bytes`: the bytes a rank sends per step by each algorithm's cost formula
+  (../shared/reference/ALGORITHMS.md), to hold measurements against.
+* `ops_from_messages`: a rank's recorded message trace (CountingTransport) as a list of `Op`s,
+  and `synthesize`: the same list generated for any P (up to 1024 and beyond) from the
+  algorithm's schedule, with the few data-dependent quantities (`Calibration`) measured on
+  real traces at small P.
+* `predict_seconds`: the time of a list of Ops under an alpha-beta `Network`, flat or
+  hierarchical (ranks_per_node ranks share a node with their own alpha and beta).
+
+Costs per op (bytes b, P ranks, link parameters alpha, beta in s and s/byte):
+  p2p exchange     alpha + beta * max(sent, received)           (full duplex)
+  alltoall         per link class: peers * alpha + beta * max(sent, received); classes overlap
+  allgather        ceil(log2 P) alpha + beta * received          (Bruck)
+  allreduce        the cheaper of ring, 2(P-1) alpha + beta * 2b(P-1)/P, and recursive
+                   doubling, ceil(log2 P) (alpha + beta b), as MPI libraries choose
+  broadcast        ceil(log2 P) alpha + beta * b                 (scatter + all-gather)
+An algorithm's time is the sum over the ops of its slowest rank: ranks move in lock step, and
+the model ignores waiting for a peer that is still computing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from spardl_grace.communicators._sparse_collectives import RADIX_BITS
+from spardl_grace.communicators.schedules import bruck_rounds, srs_schedule
+from spardl_grace.compressors._sparse import count_for_ratio
+from spardl_grace.payload import frame_overhead
+
+ALGORITHMS = ("dense", "topka", "topkdsa", "gtopk", "oktopk", "spardl")
+FP32 = 4
+ENTRY = 8  # an int32 index and a float32 value
+RADIX_ROUNDS = 32 // RADIX_BITS  # digits of a float32 magnitude in Ok-Topk's radix select
+
+
+@dataclass(frozen=True)
+class Op:
+    """One communication operation of one rank. `parts` lists (peer, sent, received) for
+    point-to-point and all-to-all ops; collectives carry totals only."""
+    kind: str                  # 'p2p', 'alltoall', 'allgather', 'allreduce' or 'broadcast'
+    sent: int
+    received: int
+    parts: tuple[tuple[int, int, int], ...] = ()
+    size: int = 0              # bytes of the collective's tensor (allreduce, broadcast)
+    weight: float = 1.0        # how often per step (< 1: amortised, e.g. every 32nd step)
+
+
+@dataclass(frozen=True)
+class Network:
+    """alpha (s per message) and beta (s per byte) between nodes; with ranks_per_node > 1,
+    ranks r and s share a node when r // ranks_per_node == s // ranks_per_node and talk with
+    alpha_intra and beta_intra. Collectives spanning nodes use the inter-node parameters."""
+    alpha: float
+    beta: float
+    ranks_per_node: int = 1
+    alpha_intra: float = 0.0
+    beta_intra: float = 0.0
+
+    @classmethod
+    def from_bandwidth(cls, gbit_per_s: float, alpha: float, **hierarchy: float) -> "Network":
+        return cls(alpha=alpha, beta=8.0 / (gbit_per_s * 1e9), **hierarchy)
+
+    def link(self, rank: int, peer: int) -> tuple[float, float]:
+        if self.ranks_per_node > 1 and rank // self.ranks_per_node == peer // self.ranks_per_node:
+            return self.alpha_intra, self.beta_intra
+        return self.alpha, self.beta
+
+
+@dataclass
+class Calibration:
+    """The data-dependent quantities of the schedules, measured on real traces (see `calibrate`).
+
+    topkdsa_density: the density of one worker's top-k inside a region as seen by the union
+      over workers, i.e. a region's reduced non-zeros are R (1 - (1 - x)^P); k/n when the
+      workers' supports are independent, smaller when they overlap (real gradients).
+    oktopk_local, oktopk_global: entries Ok-Topk's thresholds select, as a multiple of k
+      (locally per worker and globally).
+    oktopk_recompute: the fraction of steps in which Ok-Topk recomputes its global threshold
+      (a radix select: RADIX_ROUNDS all-reduces); 1/threshold_interval at best.
+    oktopk_region_interval: steps between two recomputations of Ok-Topk's regions.
+    spardl_h: SparDL's cross-team h as a fraction of k_b, per number of teams d (1/d when
+      the teams' pieces do not overlap).
+    spardl_final: entries of a final SparDL block as a fraction of k_b (1 when the union of the
+      teams' pieces is full)."""
+    topkdsa_density: float | None = None
+    oktopk_local: float = 1.0
+    oktopk_global: float = 1.0
+    spardl_h: dict[int, float] = field(default_factory=dict)
+    spardl_final: float = 1.0
+    oktopk_recompute: float = 1 / 32
+    oktopk_region_interval: int = 64
+
+
+# --------------------------------------------------------------------------- cost formulas
+def spardl_layout(n: int, size: int, density: float, teams: int = 1) -> tuple[int, int, int]:
+    """(m, B, k_b): workers per team, block length and per-block budget of SparDL."""
+    m = size // teams
+    block = math.ceil(n / m)
+    return m, block, max(1, math.floor(block * density))
+
+
+def formula_bytes(algorithm: str, n: int, size: int, density: float, teams: int = 1,
+                  h: float | None = None) -> float:
+    """Bytes one rank sends per step by the algorithm's cost formula (payload only):
+      dense    ring all-reduce, 2n(P-1)/P words
+      topka    2k words to each of the P-1 others
+      topkdsa  the lower bound with independent supports: 2k(P-1)/P words of reduce-scatter,
+               then each region's union of the P workers' entries, sparse or dense
+      gtopk    2k words per butterfly round (log2 p), plus the fold and final exchange of
+               the P - p extra ranks (the busiest rank sends 2k log2 p + 2k + k/8 bits' worth)
+      oktopk   4k(P-1)/P words with balanced regions and thresholds selecting k
+      spardl   4k(P-d)/P + 2h(d-1) words with k = k_b P/d (h = k_b/d when not given)
+    """
+    if size == 1:
+        return 0.0
+    k = count_for_ratio(n, density)
+    if algorithm == "dense":
+        return FP32 * 2 * n * (size - 1) / size
+    if algorithm == "topka":
+        return ENTRY * k * (size - 1)
+    if algorithm == "topkdsa":
+        region = math.ceil(n / size)
+        union = region * (1 - (1 - k / n) ** size)
+        return ENTRY * k * (size - 1) / size + (size - 1) * min(ENTRY * union, FP32 * region)
+    if algorithm == "gtopk":
+        p = 1 << (size.bit_length() - 1)
+        final = ENTRY * k + math.ceil(k / 8) if size > p else 0
+        return ENTRY * k * (p.bit_length() - 1) + final
+    if algorithm == "oktopk":
+        return 2 * ENTRY * k * (size - 1) / size
+    if algorithm == "spardl":
+        m, _, kb = spardl_layout(n, size, density, teams)
+        k = kb * m
+        h = kb / teams if h is None else h
+        return FP32 * (4 * k * (size - teams) / size + 2 * h * (teams - 1))
+    raise ValueError(f"unknown algorithm {algorithm!r}; valid choices: {', '.join(ALGORITHMS)}")
+
+
+# --------------------------------------------------------------------------- traces
+def ops_from_messages(messages: Iterable, size: int) -> list[Op]:
+    """A rank's CountingTransport messages, in order, as Ops: the send and receive of one
+    sendrecv form a p2p op, the per-peer records of one all-to-all one alltoall op."""
+    ops: list[Op] = []
+    pending: dict[str, list] = {}
+    last_alltoall: str | None = None
+    for m in messages:
+        if m.op == "alltoall":
+            if last_alltoall == m.name:
+                prev = ops.pop()
+                parts = prev.parts + ((m.peer, m.bytes_sent, m.bytes_received),)
+            else:
+                parts = ((m.peer, m.bytes_sent, m.bytes_received),)
+            ops.append(Op("alltoall", sum(p[1] for p in parts), sum(p[2] for p in parts), parts))
+            last_alltoall = m.name
+            continue
+        last_alltoall = None
+        if m.op in ("send", "recv"):
+            half = pending.pop(m.name, None)
+            if half is None:
+                pending[m.name] = [m]
+                continue
+            send, recv = (half[0], m) if half[0].op == "send" else (m, half[0])
+            parts = ((send.peer, send.bytes_sent, 0), (recv.peer, 0, recv.bytes_received))
+            ops.append(Op("p2p", send.bytes_sent, recv.bytes_received, parts))
+        elif m.op == "allgather":
+            ops.append(Op("allgather", m.bytes_sent, m.bytes_received))
+        elif m.op == "allreduce":
+            ops.append(Op("allreduce", m.bytes_sent, m.bytes_received,
+                          size=_allreduce_tensor_bytes(m.bytes_sent, size)))
+        elif m.op == "broadcast":
+            nbytes = m.bytes_received or m.bytes_sent // max(size - 1, 1)
+            ops.append(Op("broadcast", m.bytes_sent, m.bytes_received, size=nbytes))
+    return [op for op in ops if not _self_exchange(op)]
+
+
+def _self_exchange(op: Op) -> bool:
+    return op.kind == "p2p" and op.sent == 0 and op.received == 0
+
+
+def _allreduce_tensor_bytes(volume: int, size: int) -> int:
+    return volume * size // (2 * (size - 1)) if size > 1 else 0
+
+
+# --------------------------------------------------------------------------- prediction
+def op_seconds(op: Op, rank: int, size: int, net: Network) -> float:
+    """The time of one op of `rank` under `net` (see the module docstring)."""
+    spans_nodes = size > net.ranks_per_node
+    alpha, beta = (net.alpha, net.beta) if spans_nodes else (net.alpha_intra, net.beta_intra)
+    rounds = math.ceil(math.log2(size)) if size > 1 else 0
+    if op.kind in ("p2p", "alltoall"):
+        classes: dict[tuple[float, float], list[int]] = {}
+        for peer, sent, received in op.parts:
+            if peer == rank or peer < 0:
+                continue
+            entry = classes.setdefault(net.link(rank, peer), [0, 0, set()])
+            entry[0] += sent
+            entry[1] += received
+            entry[2].add(peer)
+        if op.kind == "p2p":
+            return max((a + b * max(s, r) for (a, b), (s, r, _) in classes.items()), default=0.0)
+        return max((a * len(peers) + b * max(s, r) for (a, b), (s, r, peers) in classes.items()),
+                   default=0.0)
+    if op.kind == "allgather":
+        return rounds * alpha + beta * op.received
+    if op.kind == "allreduce":
+        ring = 2 * (size - 1) * alpha + beta * 2 * op.size * (size - 1) / size
+        doubling = rounds * (alpha + beta * op.size)
+        return min(ring, doubling)
+    if op.kind == "broadcast":
+        return rounds * alpha + beta * op.size
+    raise ValueError(f"unknown op kind {op.kind!r}")
+
+
+def predict_seconds(ops: Sequence[Op], rank: int, size: int, net: Network) -> float:
+    """Communication seconds of one rank's ops, one after the other."""
+    return sum(op.weight * op_seconds(op, rank, size, net) for op in ops)
+
+
+# --------------------------------------------------------------------------- schedules
+def _p2p(rank: int, dst: int, src: int, sent: int, received: int) -> Op:
+    return Op("p2p", sent, received, ((dst, sent, 0), (src, 0, received)))
+
+
+def _allreduce(nbytes: int, size: int, weight: float = 1.0) -> Op:
+    volume = 2 * nbytes * (size - 1) // size
+    return Op("allreduce", volume, volume, size=nbytes, weight=weight)
+
+
+def _bruck(rank_in_group: int, group: Sequence[int], piece: int) -> list[Op]:
+    """Bruck all-gather of one `piece`-byte message per member (pieces framed together)."""
+    g = len(group)
+    ops = []
+    for distance, count in bruck_rounds(g):
+        nbytes = piece * count + frame_overhead(count)
+        ops.append(_p2p(group[rank_in_group], group[(rank_in_group - distance) % g],
+                        group[(rank_in_group + distance) % g], nbytes, nbytes))
+    return ops
+
+
+def synthesize(algorithm: str, n: int, size: int, density: float, teams: int = 1,
+               calibration: Calibration | None = None, rank: int = 0) -> list[Op]:
+    """The ops `rank` performs in one step of `algorithm` on n fp32 entries with P = size,
+    generated from the schedule (no data): each message's bytes are those the implementation
+    sends, with the data-dependent counts taken from `calibration`. Rank 0 is the busiest
+    rank of every algorithm here (gtopk's final exchange included)."""
+    cal = calibration or Calibration()
+    if size == 1:
+        return []
+    k = count_for_ratio(n, density)
+    others = [p for p in range(size) if p != rank]
+    if algorithm == "dense":
+        volume = FP32 * 2 * n * (size - 1) // size
+        return [Op("allreduce", volume, volume, size=FP32 * n)]
+    if algorithm == "topka":
+        piece = ENTRY * k
+        return [Op("allgather", piece * (size - 1), piece * (size - 1))]
+    if algorithm == "topkdsa":
+        region = math.ceil(n / size)
+        x = k / n if cal.topkdsa_density is None else cal.topkdsa_density
+        per_peer = round(ENTRY * k / size)
+        reduce = Op("alltoall", per_peer * (size - 1), per_peer * (size - 1),
+                    tuple((p, per_peer, per_peer) for p in others))
+        piece = min(ENTRY * round(region * (1 - (1 - x) ** size)), FP32 * region)
+        return [reduce, Op("allgather", piece * (size - 1), piece * (size - 1))]
+    if algorithm == "gtopk":
+        p = 1 << (size.bit_length() - 1)
+        extra = size - p
+        msg = ENTRY * k
+        final = msg + math.ceil(k / 8) + frame_overhead(2)
+        if rank >= p:  # an extra rank: folds its entries into rank - p, receives the result
+            return [_p2p(rank, rank - p, rank - p, msg, 0), _p2p(rank, rank - p, rank - p, 0, final)]
+        ops = [_p2p(rank, p + rank, p + rank, 0, msg)] if rank < extra else []
+        ops += [_p2p(rank, rank ^ (1 << i), rank ^ (1 << i), msg, msg)
+                for i in range(p.bit_length() - 1)]
+        if rank < extra:
+            ops.append(_p2p(rank, p + rank, p + rank, final, 0))
+        return ops
+    if algorithm == "oktopk":
+        per_peer = round(ENTRY * cal.oktopk_local * k / size)
+        reduce = Op("alltoall", per_peer * (size - 1), per_peer * (size - 1),
+                    tuple((p, per_peer, per_peer) for p in others))
+        piece = round(ENTRY * cal.oktopk_global * k / size)
+        ops = [reduce, _allreduce(8, size, 1 - cal.oktopk_recompute)]  # the count check
+        radix = [_allreduce(8, size, cal.oktopk_recompute)]
+        radix += [_allreduce(8 << RADIX_BITS, size, cal.oktopk_recompute)] * RADIX_ROUNDS
+        regions = _allreduce(8 * (size - 1), size, 1 / cal.oktopk_region_interval)
+        return ops + radix + [regions, Op("allgather", piece * (size - 1), piece * (size - 1))]
+    if algorithm == "spardl":
+        return _spardl_ops(n, size, density, teams, cal, rank)
+    raise ValueError(f"unknown algorithm {algorithm!r}; valid choices: {', '.join(ALGORITHMS)}")
+
+
+def _spardl_ops(n: int, size: int, density: float, teams: int, cal: Calibration,
+                rank: int) -> list[Op]:
+    if size % teams:
+        raise ValueError(f"teams (d={teams}) must divide the number of workers ({size})")
+    m, _, kb = spardl_layout(n, size, density, teams)
+    team, q = divmod(rank, m)
+    team_ranks = [team * m + j for j in range(m)]
+    ops = []
+    for rnd in srs_schedule(m):
+        dst, src = team_ranks[(q + rnd.distance) % m], team_ranks[(q - rnd.distance) % m]
+        ops += [_p2p(rank, dst, src, ENTRY * kb, ENTRY * kb)] * rnd.blocks
+    if teams > 1:
+        h = max(math.ceil(kb / teams), round(kb * cal.spardl_h.get(teams, 1 / teams)))
+        group = [t * m + q for t in range(teams)]
+        ops += _bruck(team, group, ENTRY * min(h, kb))
+    final = max(1, round(kb * cal.spardl_final))
+    ops += _bruck(q, team_ranks, ENTRY * final)
+    return ops
+
+
+# --------------------------------------------------------------------------- calibration
+def calibrate(records: dict[str, list[dict]], n: int, density: float) -> Calibration:
+    """Calibration from measured step statistics: records[algorithm] is a list of
+    {'size': P, 'teams': d, 'stats': grc.last_stats} for the steps measured."""
+    cal = Calibration()
+    k = count_for_ratio(n, density)
+    dsa = [r for r in records.get("topkdsa", []) if r["size"] > 1]
+    if dsa:
+        xs = []
+        for r in dsa:
+            size = r["size"]
+            region = math.ceil(n / size)
+            nnz = min(r["stats"]["gather_entries"], region - 1)
+            xs.append(1 - (1 - nnz / region) ** (1 / size))
+        cal.topkdsa_density = sum(xs) / len(xs)
+    ok = [r for r in records.get("oktopk", []) if r["size"] > 1]
+    if ok:
+        # A recomputation runs the radix select's all-reduces; a reused threshold only the count.
+        cal.oktopk_recompute = sum(r["stats"]["threshold_payload_bytes"] > 2 * 8 for r in ok) / len(ok)
+        cal.oktopk_local = sum(r["stats"]["reduce_entries"] * r["size"] / ((r["size"] - 1) * k)
+                               for r in ok) / len(ok)
+        cal.oktopk_global = sum(r["stats"]["gather_entries"] * r["size"] / k for r in ok) / len(ok)
+    by_teams: dict[int, list[float]] = {}
+    finals = []
+    for r in records.get("spardl", []):
+        size, d = r["size"], r.get("teams", 1)
+        if size == 1:
+            continue
+        m, _, kb = spardl_layout(n, size, density, d)
+        if d > 1:
+            by_teams.setdefault(d, []).append(r["stats"]["cross_entries"] / kb)
+        if m > 1:
+            finals.append(r["stats"]["sag_payload_bytes"] / (ENTRY * kb * (m - 1)))
+    cal.spardl_h = {d: sum(v) / len(v) for d, v in by_teams.items()}
+    if finals:
+        cal.spardl_final = sum(finals) / len(finals)
+    return cal

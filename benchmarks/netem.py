@@ -1,0 +1,121 @@
+"""A bandwidth-limited cluster network on one machine: one network namespace per rank.
+
+    with EmulatedNetwork(size=4, rate="1gbit") as net:
+        subprocess.run(net.command(rank, ["python", ...]))      # runs inside rank's namespace
+        net.address(0)                                          # '10.77.x.1', rank 0's address
+
+Every rank gets a namespace with a veth pair to a bridge in the root namespace (a switch with
+one port per node). Both ends of each veth are shaped by tc tbf to `rate`, so a rank sends at
+most `rate` and receives at most `rate` (a full-duplex NIC), and the switch is not a
+bottleneck. This kernel has no netem, so no latency can be added: the per-message cost alpha is
+what the stack itself costs, and larger latencies belong in the cost model
+(benchmarks.costmodel). Needs root (CAP_NET_ADMIN) and iproute2; everything is removed on exit,
+also after an error.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from types import TracebackType
+
+RATE = re.compile(r"^\d+(\.\d+)?(kbit|mbit|gbit)$")
+UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def rate_bits_per_s(rate: str) -> float:
+    """'1gbit' -> 1e9. Raises ValueError naming the valid form."""
+    if not RATE.match(rate):
+        raise ValueError(f"bad rate {rate!r}; use a number and one of kbit, mbit, gbit (e.g. 1gbit)")
+    number, unit = re.match(r"^([\d.]+)(\w+)$", rate).groups()
+    return float(number) * UNITS[unit]
+
+
+def available() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"sdprobe{os.getpid() % 100000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _run(*argv: str) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+
+
+class EmulatedNetwork:
+    """`size` namespaces on a bridge, every link shaped to `rate` (see the module docstring)."""
+
+    def __init__(self, size: int, rate: str):
+        if not 1 <= size <= 250:
+            raise ValueError(f"size must be 1..250, got {size}")
+        self.size = size
+        self.rate = rate
+        self.bits_per_s = rate_bits_per_s(rate)
+        tag = os.getpid() % 10000
+        self.prefix = f"sd{tag}"
+        self.subnet = f"10.77.{tag % 250}"
+        self.bridge = f"{self.prefix}br"
+        self._made: list[str] = []
+
+    def namespace(self, rank: int) -> str:
+        return f"{self.prefix}n{rank}"
+
+    def interface(self, rank: int) -> str:
+        """The rank's interface inside its namespace (for GLOO_SOCKET_IFNAME)."""
+        return f"{self.prefix}r{rank}"
+
+    def address(self, rank: int) -> str:
+        return f"{self.subnet}.{rank + 1}"
+
+    def command(self, rank: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace(rank), *argv]
+
+    def __enter__(self) -> "EmulatedNetwork":
+        why = available()
+        if why:
+            raise RuntimeError(f"cannot emulate a network here: {why}")
+        try:
+            _run("ip", "link", "add", "name", self.bridge, "type", "bridge")
+            self._made.append("bridge")
+            _run("ip", "link", "set", self.bridge, "up")
+            burst = str(max(64 * 1024, int(self.bits_per_s / 8 / 100)))  # 10 ms of traffic
+            tbf = ["root", "tbf", "rate", self.rate, "burst", burst, "latency", "100ms"]
+            for rank in range(self.size):
+                ns, inside, outside = self.namespace(rank), self.interface(rank), f"{self.prefix}h{rank}"
+                _run("ip", "netns", "add", ns)
+                self._made.append(ns)
+                _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
+                _run("ip", "link", "set", inside, "netns", ns)
+                _run("ip", "link", "set", outside, "master", self.bridge, "up")
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", inside)
+                _run("ip", "-n", ns, "link", "set", inside, "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run("tc", "qdisc", "add", "dev", outside, *tbf)
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inside, *tbf)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Remove what was made (deleting a namespace deletes its veth pair)."""
+        for item in reversed(self._made):
+            if item == "bridge":
+                subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+            else:
+                subprocess.run(["ip", "netns", "del", item], capture_output=True)
+        self._made.clear()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,148 @@
+"""Predict every algorithm's communication time at any scale from measured traces.
+
+    python -m benchmarks.simulate benchmarks/results/comm_p*_1gbit.json \\
+        --numel 14700000 --density 0.01 --json benchmarks/results/simulation.json
+
+Input: benchmarks.comm results (each holds rank 0's message trace, every rank's step
+statistics and the link's measured alpha and beta). Output:
+* validation: per input file and algorithm, the measured communication time (median of the
+  slowest rank) against the alpha-beta prediction from the recorded trace and from the
+  synthesized schedule (benchmarks.costmodel.synthesize, calibrated on the inputs), with the
+  relative errors;
+* scaling: the predicted time of every algorithm for P = 2 .. --max-workers under each network
+  model (the measured link, a 10 Gbit cluster and a hierarchical 8-ranks-per-node cluster);
+* teams: SparDL's time against d (teams) at 256 and 1024 workers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks import costmodel
+from benchmarks.costmodel import Network
+from spardl_grace.transport.counting import Message
+
+
+def networks(link: dict[str, float]) -> dict[str, Network]:
+    """The network models predictions are made for. Only the first is measured; the others
+    are assumed figures for common clusters (stated in the README)."""
+    return {
+        "measured link": Network(alpha=link["alpha"], beta=link["beta"]),
+        "10 Gbit, alpha 20 us": Network.from_bandwidth(10, 20e-6),
+        "8 per node (100 GB/s, 5 us) + 25 Gbit, 20 us": Network(
+            alpha=20e-6, beta=8 / 25e9, ranks_per_node=8, alpha_intra=5e-6, beta_intra=1 / 100e9),
+    }
+
+
+def load(paths: list[Path]) -> list[dict[str, Any]]:
+    return [dict(json.loads(p.read_text()), path=str(p)) for p in paths]
+
+
+def calibration_records(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    records: dict[str, list[dict[str, Any]]] = {}
+    for res in results:
+        size, teams = res["config"]["workers"], res["config"]["teams"]
+        for name, alg in res["algorithms"].items():
+            records.setdefault(name, []).extend(
+                {"size": size, "teams": teams, "stats": s} for rank in alg["stats"] for s in rank)
+    return records
+
+
+def validate(results: list[dict[str, Any]], cal_by_density: dict) -> list[dict[str, Any]]:
+    """Measured against predicted communication seconds for every input run."""
+    rows = []
+    for res in results:
+        cfg = res["config"]
+        size, numel = cfg["workers"], res["numel"]
+        net = Network(alpha=res["link"]["alpha"], beta=res["link"]["beta"])
+        cal = cal_by_density[(numel, cfg["density"])]
+        for name, alg in res["algorithms"].items():
+            trace = costmodel.ops_from_messages([Message(*m) for m in alg["messages_rank0"]], size)
+            from_trace = costmodel.predict_seconds(trace, 0, size, net)
+            schedule = costmodel.synthesize(name, numel, size, cfg["density"], cfg["teams"], cal)
+            from_schedule = costmodel.predict_seconds(schedule, 0, size, net)
+            measured = alg["comm_s"]["median"]
+            rows.append({"file": Path(res["path"]).name, "workers": size, "numel": numel,
+                         "bandwidth": cfg["bandwidth"], "algorithm": name,
+                         "measured_comm_s": measured, "measured_total_s": alg["total_s"]["median"],
+                         "trace_predicted_s": from_trace, "schedule_predicted_s": from_schedule,
+                         "trace_error": from_trace / measured - 1 if measured else None,
+                         "schedule_error": from_schedule / measured - 1 if measured else None})
+    return rows
+
+
+def scaling(numel: int, density: float, cal: costmodel.Calibration, nets: dict[str, Network],
+            sizes: list[int]) -> dict[str, dict[str, list[float]]]:
+    """Predicted seconds per network, algorithm and P (SparDL with d = 1)."""
+    return {net_name: {name: [costmodel.predict_seconds(
+                costmodel.synthesize(name, numel, p, density, 1, cal), 0, p, net) for p in sizes]
+            for name in costmodel.ALGORITHMS} for net_name, net in nets.items()}
+
+
+def teams_sweep(numel: int, density: float, cal: costmodel.Calibration, nets: dict[str, Network],
+                sizes: tuple[int, ...] = (256, 1024)) -> dict[str, dict[str, dict[str, float]]]:
+    """SparDL's predicted seconds per network, P and d (powers of two dividing P)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for net_name, net in nets.items():
+        out[net_name] = {}
+        for p in sizes:
+            ds = [d for d in (2 ** i for i in range(p.bit_length())) if p % d == 0]
+            out[net_name][str(p)] = {str(d): costmodel.predict_seconds(
+                costmodel.synthesize("spardl", numel, p, density, d, cal), 0, p, net) for d in ds}
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", type=Path, help="benchmarks.comm JSON files")
+    p.add_argument("--numel", type=int, default=14_700_000, help="gradient size to predict for")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--max-workers", type=int, default=1024)
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    results = load(args.results)
+    records = calibration_records(results)
+    cal_by_density = {}
+    for res in results:
+        key = (res["numel"], res["config"]["density"])
+        if key not in cal_by_density:
+            same = [r for r in results if (r["numel"], r["config"]["density"]) == key]
+            cal_by_density[key] = costmodel.calibrate(calibration_records(same), *key)
+    rows = validate(results, cal_by_density)
+    cal = costmodel.calibrate(records, results[0]["numel"], results[0]["config"]["density"])
+    nets = networks(results[0]["link"])
+    sizes = [2 ** i for i in range(1, args.max_workers.bit_length()) if 2 ** i <= args.max_workers]
+    sizes = sorted(set(sizes) | {3, 6, 12, 24, 48, 96})
+    out = {"inputs": [r["path"] for r in results], "numel": args.numel, "density": args.density,
+           "calibration": vars(cal), "link": results[0]["link"],
+           "networks": {k: vars(v) for k, v in nets.items()},
+           "validation": rows,
+           "validation_error": {
+               "trace_median_abs": statistics.median(abs(r["trace_error"]) for r in rows),
+               "schedule_median_abs": statistics.median(abs(r["schedule_error"]) for r in rows)},
+           "sizes": sizes, "scaling": scaling(args.numel, args.density, cal, nets, sizes),
+           "teams": teams_sweep(args.numel, args.density, cal, nets)}
+    print(f"{'file':28s} {'P':>3s} {'algorithm':9s} {'measured':>9s} {'trace':>9s} {'schedule':>9s}")
+    for r in rows:
+        print(f"{r['file'][:28]:28s} {r['workers']:3d} {r['algorithm']:9s} {r['measured_comm_s']:9.4f} "
+              f"{r['trace_predicted_s']:9.4f} {r['schedule_predicted_s']:9.4f}")
+    print("median |error|: trace {trace_median_abs:.1%}, schedule {schedule_median_abs:.1%}"
+          .format(**out["validation_error"]))
+    for net_name, algs in out["scaling"].items():
+        print(f"\n{net_name}: predicted seconds at P = 256 / 1024")
+        for name, secs in algs.items():
+            print(f"  {name:9s} {secs[sizes.index(256)]:9.4f} {secs[sizes.index(1024)]:9.4f}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
