@@ -47,6 +47,7 @@ GRACE_PAIRS = {
     "natural": ("none", "allgather"),
 }
 COMPRESSORS = (*SPARSE_ALLREDUCES, *GRACE_PAIRS)
+DENSITY_COMPRESSORS = (*(c for c in SPARSE_ALLREDUCES if c != "dense"), "topk", "randomk", "dgc")
 LOGS = ("csv", "wandb", "tensorboard")
 # The sparse all-reduces' own split of a sync (seconds); GRACE's loop reports none of them.
 TIME_SPLIT = ("selection_s", "comm_s", "coding_s")
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compression", action="store_true", help="use --compressor (otherwise dense)")
     p.add_argument("--compressor", default="spardl", choices=COMPRESSORS)
     p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--density-warmup", type=int, default=0,
+                   help="DGC's density warm-up: density 0.25, 0.0625, ... (x1/4 per epoch, never "
+                        "below --density) over these first epochs")
     p.add_argument("--teams", type=int, default=1, help="SparDL's d")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
@@ -111,9 +115,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(filter(None, args.log.split(","))) - set(LOGS)
     if unknown:
         p.error(f"unknown --log {sorted(unknown)}; valid choices: {', '.join(LOGS)}")
-    if args.nworkers < 1 or args.batch_size < 1 or args.max_epochs < 0:
-        p.error("--nworkers and --batch-size must be >= 1, --max-epochs >= 0")
+    if args.nworkers < 1 or args.batch_size < 1 or args.max_epochs < 0 or args.density_warmup < 0:
+        p.error("--nworkers and --batch-size must be >= 1, --max-epochs and --density-warmup >= 0")
+    if args.density_warmup and not (args.compression and args.compressor in DENSITY_COMPRESSORS):
+        p.error(f"--density-warmup needs --compression with one of {', '.join(DENSITY_COMPRESSORS)}")
     return args
+
+
+def warmup_density(epoch: int, args: argparse.Namespace) -> float:
+    """DGC's schedule: 0.25 ** (epoch + 1) during the warm-up epochs, never below --density."""
+    if epoch < args.density_warmup:
+        return max(args.density, 0.25 ** (epoch + 1))
+    return args.density
 
 
 def epoch_list(text: str) -> tuple[float, ...]:
@@ -322,6 +335,8 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
 
     summary: dict[str, Any] = {}
     for epoch in range(first_epoch, args.max_epochs):
+        if args.density_warmup:
+            optimizer.grace.set_density(warmup_density(epoch, args))
         order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(
             args.seed * 1000 + epoch * 100 + rank))]
         start, sync_s, sent_before = time.perf_counter(), 0.0, counting.bytes_sent

@@ -145,6 +145,20 @@ class Communicator(ABC):
     def send_receive(self, tensors: list[torch.Tensor], name: str, ctx: Any) -> torch.Tensor:
         """Exchange compressed tensors and return the aggregated dense result."""
 
+    def set_density(self, density: float) -> None:
+        """Send this fraction of the entries from the next step on (DGC's density warm-up).
+        Raises ValueError when the density is not in (0, 1] or nothing here has a density."""
+        if not 0 < density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        targets = [obj for obj, attr in ((self, "density"), (self.compressor, "compress_ratio"))
+                   if hasattr(obj, attr)]
+        if not targets:
+            raise ValueError(f"{type(self).__name__} with {type(self.compressor).__name__} has "
+                             "no density to set; use a sparse all-reduce or a top-k, random-k or "
+                             "DGC compressor")
+        for obj in targets:
+            setattr(obj, "density" if obj is self else "compress_ratio", density)
+
     def state_dict(self) -> dict[str, Any]:
         return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict(),
                 "communicator": self._own_state(), "world_size": self.world_size}

@@ -156,3 +156,32 @@ def test_loading_state_from_another_world_size_fails_loudly():
             grace_from_params({}, transport=t).load_state_dict(state)
         return True
     assert run_local(3, fn) == [True] * 3
+
+
+@pytest.mark.parametrize("params", [
+    {"compressor": "topk", "memory": "global_residual", "communicator": "spardl"},
+    {"compressor": "topk", "memory": "residual", "communicator": "allgather"},
+])
+def test_set_density_changes_what_the_next_step_sends(params):
+    def fn(t):
+        grc = grace_from_params({**params, "compress_ratio": 0.01}, transport=t)
+        grad = torch.randn(4000, generator=torch.Generator().manual_seed(t.rank))
+        before = torch.count_nonzero(grc.step(grad.clone(), "w"))
+        grc.set_density(0.1)
+        after = torch.count_nonzero(grc.step(grad.clone(), "w"))
+        return int(before), int(after)
+    for before, after in run_local(2, fn):
+        assert after >= 8 * before > 0
+
+
+def test_set_density_rejects_bad_values_and_dense_communicators():
+    def fn(t):
+        sparse = grace_from_params({"compressor": "topk", "memory": "global_residual",
+                                    "communicator": "spardl", "compress_ratio": 0.1}, transport=t)
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            sparse.set_density(0)
+        dense = grace_from_params({"compressor": "none", "memory": "none",
+                                   "communicator": "allreduce"}, transport=t)
+        with pytest.raises(ValueError, match="no density to set"):
+            dense.set_density(0.1)
+    run_local(1, fn)

@@ -179,3 +179,20 @@ def test_real_launches(tmp_path, launch_with):
     finals = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in range(2)]
     assert torch.equal(finals[0]["params"], finals[1]["params"])
     assert (tmp_path / "epochs.csv").exists()
+
+
+def test_density_warmup_follows_dgcs_schedule(tmp_path):
+    args = _args(tmp_path, "--compression", "--compressor", "spardl", "--max-epochs", "3",
+                 "--density", "0.01", "--density-warmup", "2")
+    assert [main_trainer.warmup_density(e, args) for e in range(4)] == [0.25, 0.0625, 0.01, 0.01]
+    run_local(2, lambda t: main_trainer.train(args, t))
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    sent = [r["bytes_sent_per_step"] for r in records if r["kind"] == "epoch"]
+    assert sent[0] > 3 * sent[1] > 9 * sent[2] > 0
+
+
+@pytest.mark.parametrize("extra", [[], ["--compression", "--compressor", "qsgd"]])
+def test_density_warmup_needs_a_compressor_with_a_density(tmp_path, extra, capsys):
+    with pytest.raises(SystemExit):
+        _args(tmp_path, "--density-warmup", "1", *extra)
+    assert "--density-warmup needs --compression with one of spardl" in capsys.readouterr().err
