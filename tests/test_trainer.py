@@ -14,13 +14,17 @@ import torch
 
 from conftest import ROOT, _env
 from experiments import main_trainer
-from experiments.datasets import DATASETS, load_dataset
-from experiments.models import MODELS, build_model
+from experiments import text
+from experiments.datasets import DATASET_TASKS, DATASETS, load_dataset
+from experiments.models import MODEL_TASKS, MODELS, build_model
 from spardl_grace import run_local
 
 
 # ------------------------------------------------------------------------------- models
-@pytest.mark.parametrize("name", sorted(MODELS))
+IMAGE_MODELS = sorted(n for n, task in MODEL_TASKS.items() if task == "image")
+
+
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32), (1, 8, 8)], ids=["28px", "32px", "8px"])
 def test_every_model_runs_forward_and_backward_on_its_inputs(name, shape):
     if name == "fashioncnn" and shape[0] != 1:
@@ -32,6 +36,34 @@ def test_every_model_runs_forward_and_backward_on_its_inputs(name, shape):
     assert logits.shape == (2, 7)
     logits.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name,expected", [("lstmimdb", (3, 5)), ("lstm", (3, 12, 50))])
+def test_text_models_run_forward_and_backward_on_token_ids(name, expected):
+    model = build_model(name, 50, 5)
+    ids = torch.randint(0, 50, (3, 12))
+    ids[0, 6:] = text.PAD
+    logits = model(ids)
+    assert logits.shape == expected
+    logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_padding_does_not_change_a_classifiers_output():
+    torch.manual_seed(0)
+    model = build_model("lstmimdb", 50, 2).eval()
+    ids = torch.randint(2, 50, (1, 7))
+    padded = torch.cat([ids, torch.zeros(1, 5, dtype=torch.int64)], 1)
+    assert torch.allclose(model(ids), model(padded), atol=1e-6)
+
+
+def test_every_model_has_data_sets_and_mismatches_are_refused(tmp_path, capsys):
+    assert set(MODEL_TASKS) == set(MODELS) and set(DATASET_TASKS) == set(DATASETS)
+    for task in set(MODEL_TASKS.values()):
+        assert task in DATASET_TASKS.values()
+    with pytest.raises(SystemExit):
+        main_trainer.parse_args(["--dnn", "lstm", "--dataset", "fashion-mnist"])
+    assert "--dnn lstm reads lm data; data sets for it: wikitext" in capsys.readouterr().err
 
 
 def test_model_sizes_match_the_papers():
@@ -86,7 +118,41 @@ def test_mnist_loader_reads_idx_files(tmp_path):
     assert float(x[0, 0, 0, 5]) == pytest.approx(5 / 255)
 
 
-@pytest.mark.parametrize("name,match", [("cifar10", "cs.toronto.edu"), ("mnist", "--data-dir")])
+def test_imdb_loader_reads_the_aclimdb_folders(tmp_path):
+    reviews = {"train": {"neg": ["Bad, bad film.", "Boring"], "pos": ["A great film!"]},
+               "test": {"neg": ["bad"], "pos": ["great great unseen"]}}
+    for split, kinds in reviews.items():
+        for kind, texts in kinds.items():
+            folder = tmp_path / "aclImdb" / split / kind
+            folder.mkdir(parents=True)
+            for i, t in enumerate(texts):
+                (folder / f"{i}_7.txt").write_text(t)
+    x, y = load_dataset("imdb", "train", tmp_path)
+    assert x.shape == (3, text.IMDB_LENGTH) and y.tolist() == [0, 0, 1]
+    vocab = {"bad": 2, "film": 3}  # the most frequent training words first, ties by the word
+    assert x[0, :3].tolist() == [vocab["bad"], vocab["bad"], vocab["film"]]
+    assert int(x[0, 3]) == text.PAD
+    tx, ty = load_dataset("imdb", "test", tmp_path)
+    assert ty.tolist() == [0, 1] and int(tx[1, 2]) == text.UNK  # 'unseen' is not in train
+
+
+def test_imagenet_loader_reads_class_folders_lazily(tmp_path):
+    from PIL import Image
+    for split in ("train", "val"):
+        for c, colour in (("n01", (255, 0, 0)), ("n02", (0, 0, 255))):
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.new("RGB", (300, 250), colour).save(tmp_path / split / c / "a.JPEG")
+    images, labels = load_dataset("imagenet", "train", tmp_path)
+    assert len(images) == 2 and labels.tolist() == [0, 1]
+    batch = images[torch.tensor([1, 0])]
+    assert batch.shape == (2, 3, 224, 224)
+    assert float(batch[0, 2].mean()) > 0.95 and float(batch[0, 0].mean()) < 0.05  # blue
+    assert len(images[:1]) == 1
+    assert len(load_dataset("imagenet", "test", tmp_path)[0]) == 2
+
+
+@pytest.mark.parametrize("name,match", [("cifar10", "cs.toronto.edu"), ("mnist", "--data-dir"),
+                                        ("imdb", "ai.stanford.edu"), ("imagenet", "image-net.org")])
 def test_a_missing_data_set_says_how_to_get_it(tmp_path, name, match):
     with pytest.raises(FileNotFoundError, match=match):
         load_dataset(name, "train", None if name == "mnist" else tmp_path)
@@ -97,6 +163,13 @@ def test_installed_data_sets_load():
     assert x.shape == (10000, 1, 28, 28) and int(y.max()) == 9
     x, y = load_dataset("digits", "train")
     assert x.shape == (1437, 1, 8, 8) and float(x.max()) == 1.0
+    x, y = load_dataset("tweets", "train")
+    tx, ty = load_dataset("tweets", "test")
+    assert len(x) + len(tx) == 38_158 and x.shape[1] == text.TWEET_LENGTH
+    assert set(y.tolist()) == {0, 1, 2} and int(x.max()) < text.VOCAB
+    x, y = load_dataset("wikitext", "train")
+    assert x.shape[1] == text.BPTT and torch.equal(x[0, 1:], y[0, :-1])  # the next word
+    assert torch.equal(x[1, 0], y[0, -1]) and len(x) > 1000
     with pytest.raises(ValueError, match="valid choices"):
         load_dataset("svhn", "train")
     assert set(DATASETS) >= {"fashion-mnist", "mnist", "digits", "cifar10", "cifar100"}
@@ -117,6 +190,17 @@ def test_every_compressor_trains_identical_replicas_on_two_workers(tmp_path, com
     assert torch.equal(finals[0]["params"], finals[1]["params"])
     assert summaries[0]["test_accuracy"] == summaries[1]["test_accuracy"]
     assert np.isfinite(summaries[0]["train_loss"])
+
+
+@pytest.mark.parametrize("dnn,dataset", [("lstmimdb", "tweets"), ("lstm", "wikitext")])
+def test_text_models_train_identical_replicas(tmp_path, dnn, dataset):
+    args = main_trainer.parse_args([
+        "--dnn", dnn, "--dataset", dataset, "--batch-size", "8", "--max-steps", "3",
+        "--test-samples", "40", "--compression", "--compressor", "spardl", "--out", str(tmp_path)])
+    summaries = run_local(2, lambda t: main_trainer.train(args, t))
+    finals = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in range(2)]
+    assert torch.equal(finals[0]["params"], finals[1]["params"])
+    assert 0 <= summaries[0]["test_accuracy"] <= 1 and np.isfinite(summaries[0]["test_loss"])
 
 
 def test_log_files_hold_every_step_and_epoch(tmp_path):

