@@ -181,10 +181,13 @@ DATASET_TASKS = {name: "image" for name in DATASETS} | {"tweets": "text", "imdb"
                                                         "wikitext": "lm"}
 
 
-def load_dataset(name: str, split: str, data_dir: Path | str | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def load_dataset(name: str, split: str, data_dir: Path | str | None = None,
+                 tokenizer: str = "words") -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) of a named data set; ValueError naming the choices for an unknown one,
-    FileNotFoundError saying how to get one that is missing."""
+    FileNotFoundError saying how to get one that is missing. `tokenizer` applies to the
+    classification text sets (experiments.text.TOKENIZERS)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid choices: {', '.join(sorted(DATASETS))}")
+    if name in ("tweets", "imdb"):
+        return DATASETS[name][0](split, data_dir, tokenizer)
     return DATASETS[name][0](split, data_dir)

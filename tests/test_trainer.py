@@ -49,6 +49,17 @@ def test_text_models_run_forward_and_backward_on_token_ids(name, expected):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_minilm_is_the_packaged_pretrained_model_with_its_tokenizer():
+    model = build_model("bert", text.VOCAB, 3).eval()
+    assert sum(p.numel() for p in model.encoder.parameters()) == 22_713_216
+    ids, labels = load_dataset("tweets", "test", tokenizer="wordpiece")
+    assert ids.shape[1] == text.TWEET_LENGTH and int(ids[0, 0]) == 101  # [CLS]
+    with torch.no_grad():
+        assert model(ids[:2]).shape == (2, 3)
+    with pytest.raises(ValueError, match="valid choices: words, wordpiece"):
+        load_dataset("tweets", "test", tokenizer="bpe")
+
+
 def test_padding_does_not_change_a_classifiers_output():
     torch.manual_seed(0)
     model = build_model("lstmimdb", 50, 2).eval()
@@ -192,10 +203,11 @@ def test_every_compressor_trains_identical_replicas_on_two_workers(tmp_path, com
     assert np.isfinite(summaries[0]["train_loss"])
 
 
-@pytest.mark.parametrize("dnn,dataset", [("lstmimdb", "tweets"), ("lstm", "wikitext")])
+@pytest.mark.parametrize("dnn,dataset", [("lstmimdb", "tweets"), ("lstm", "wikitext"),
+                                         ("bert", "tweets")])
 def test_text_models_train_identical_replicas(tmp_path, dnn, dataset):
     args = main_trainer.parse_args([
-        "--dnn", dnn, "--dataset", dataset, "--batch-size", "8", "--max-steps", "3",
+        "--dnn", dnn, "--dataset", dataset, "--batch-size", "4", "--max-steps", "2",
         "--test-samples", "40", "--compression", "--compressor", "spardl", "--out", str(tmp_path)])
     summaries = run_local(2, lambda t: main_trainer.train(args, t))
     finals = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in range(2)]

