@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -236,4 +237,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    # A terminated benchmark still removes its namespaces and workers (the finally blocks run).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

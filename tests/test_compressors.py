@@ -163,3 +163,24 @@ def test_state_dict_round_trips_with_weights_only(tmp_path):
     torch.save(uninterrupted.state_dict(), tmp_path / "r.pt")
     resumed.load_state_dict(torch.load(tmp_path / "r.pt", weights_only=True))
     assert torch.equal(resumed.compress(x, "w")[1][0], uninterrupted.compress(x, "w")[1][0])
+
+
+@pytest.mark.parametrize("layout", ["normal", "one_hot_region", "constant", "sparse"])
+@pytest.mark.parametrize("n,k", [(1 << 16, 100), (300_000, 3_000), (300_000, 37_500), (70_001, 1)])
+def test_topk_abs_prefilter_gives_the_exact_top_k(layout, n, k):
+    """The sampled-threshold prefilter returns torch.topk's set, also when the strided sample
+    misses every large entry (one_hot_region: the fallback runs) and with ties."""
+    from spardl_grace.compressors._sparse import topk_abs
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(n, generator=g)
+    if layout == "one_hot_region":
+        x = x * 1e-3
+        x[12_345:12_345 + k] = 10 + torch.rand(k, generator=g)  # between sample points
+    elif layout == "constant":
+        x = torch.ones(n)
+    elif layout == "sparse":
+        x[torch.rand(n, generator=g) < 0.999] = 0
+    got = topk_abs(x, k)
+    assert got.numel() == k and got.unique().numel() == k
+    want = torch.topk(x.abs(), k, sorted=False).values
+    assert torch.equal(x[got].abs().sort().values, want.sort().values)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..api import Compressor, Memory
-from ..compressors._sparse import count_for_ratio
+from ..compressors._sparse import count_for_ratio, topk_abs
 from ..payload import PayloadCodec
 from ..transport import Transport
 from ._base import CodedAllreduce
@@ -74,7 +74,7 @@ def check_params(warmup: int, threshold_interval: int, region_interval: int,
 
 
 def _kth_magnitude(tensor: torch.Tensor, k: int) -> float:
-    return float(torch.topk(tensor.abs(), k, sorted=False).values.min())
+    return float(tensor[topk_abs(tensor, k)].abs().min())
 
 
 def _at_least(tensor: torch.Tensor, theta: float) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Shared pieces of the sparsifying compressors: (values, indices) <-> dense."""
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -11,11 +12,33 @@ def count_for_ratio(numel: int, ratio: float) -> int:
     return min(numel, max(1, int(numel * ratio))) if numel else 0
 
 
+PREFILTER_MIN_NUMEL = 1 << 16  # below this torch.topk is as fast as the prefilter
+PREFILTER_SAMPLE = 1 << 14
+PREFILTER_MARGIN = 1.5         # aim the threshold at about 1.5 k candidates
+
+
 def topk_abs(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (int64) of the k largest |flat|, in no particular order."""
-    if k >= flat.numel():
-        return torch.arange(flat.numel(), device=flat.device)
-    return torch.topk(flat.abs(), k, sorted=False).indices
+    """Indices (int64) of the k largest |flat|, in no particular order.
+
+    For large tensors and k <= n/8, a threshold t is first estimated from an evenly strided
+    sample so that about 1.5 k entries have |x| >= t, and torch.topk runs over those
+    candidates only. Whenever at least k entries pass, the candidates hold every entry of the
+    top k, so the result is the exact top-k (ties at the k-th magnitude may be broken
+    differently); otherwise the full torch.topk runs. On a CPU this is several times faster
+    than torch.topk over all entries (benchmarks.comm measures it)."""
+    n = flat.numel()
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    magnitudes = flat.abs()
+    if n >= PREFILTER_MIN_NUMEL and k <= n // 8:
+        stride = n // PREFILTER_SAMPLE
+        sample = magnitudes[::stride]
+        rank = min(sample.numel(), math.ceil(sample.numel() * PREFILTER_MARGIN * k / n) + 8)
+        threshold = torch.topk(sample, rank, sorted=False).values.min()
+        candidates = torch.nonzero(magnitudes >= threshold).reshape(-1)
+        if candidates.numel() >= k:
+            return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+    return torch.topk(magnitudes, k, sorted=False).indices
 
 
 def desparsify(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
