@@ -108,9 +108,10 @@ def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
     steps = []
     for i, grad in enumerate(grads):
         counting.reset()
+        own = grad.clone()  # steps must not see each other's writes; copying is not timed
         transport.barrier(f"{name}.{i}")
         start = time.perf_counter()
-        grc.step(grad.clone(), "grad")
+        grc.step(own, "grad")
         if grad.is_cuda:
             torch.cuda.synchronize(grad.device)
         total = time.perf_counter() - start

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Reproduces every benchmark table and plot of the README into benchmarks/results/ (about 40
+# Reproduces every benchmark table and plot of the README into benchmarks/results/ (about 45
 # minutes on 2 CPU cores; network emulation needs root). Set up on a fresh machine first by
 # scripts/setup_env.sh, which this calls.
 #   1. VGG-16's real gradient (14.7M entries), 4 workers, density 0.01, every algorithm, on an
 #      emulated 1 Gbit and 100 Mbit network and unshaped (loopback)
-#   2. P = 2..8 on the emulated 1 Gbit network (4M entries): time against workers, and the
+#   2. P = 2, 3, 4, 6, 8 on the emulated 1 Gbit network (4M entries): time against workers, and the
 #      simulator's validation set
 #   3. density 0.001 .. 0.1 at 4 workers, 1 Gbit
 #   4. the simulator (to 1024 workers, SparDL's d sweep), the codec benchmarks and the plots
@@ -21,16 +21,17 @@ for net in 1gbit 100mbit; do
 done
 "$PY" -m benchmarks.comm --gradient vgg16 --workers 4 --density 0.01 --repeat 10 \
     --json "$R/comm_vgg16_loopback.json"
-for p in 2 3 4 5 6 7 8; do
-    "$PY" -m benchmarks.comm --workers "$p" --numel 4000000 --density 0.01 --repeat 6 \
+for p in 2 3 4 6 8; do
+    "$PY" -m benchmarks.comm --workers "$p" --numel 4000000 --density 0.01 --repeat 4 --warmup 1 \
         --bandwidth 1gbit --json "$R/comm_p${p}_1gbit.json"
 done
 for d in 0.001 0.01 0.1; do
-    "$PY" -m benchmarks.comm --workers 4 --numel 4000000 --density "$d" --repeat 6 \
+    "$PY" -m benchmarks.comm --workers 4 --numel 4000000 --density "$d" --repeat 4 --warmup 1 \
         --bandwidth 1gbit --json "$R/comm_density${d}_1gbit.json"
 done
 "$PY" -m benchmarks.simulate "$R"/comm_p*_1gbit.json --numel 14700000 --density 0.01 \
     --json "$R/simulation.json"
 "$PY" -m benchmarks.codecs --json "$R/codecs_spardl.json"
-"$PY" -m benchmarks.codec_speed --model vgg16 --json "$R/codec_speed_vgg16.json"
+"$PY" -m benchmarks.codec_speed --model resnet56 --json "$R/codec_speed_resnet56.json"
 "$PY" -m benchmarks.plots "$R"
+"$PY" -m benchmarks.tables "$R" > "$R/tables.md"

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks import comm, costmodel, netem, plots, simulate
+from benchmarks import comm, costmodel, netem, plots, simulate, tables
 from benchmarks.costmodel import Network, Op
 from experiments import report
 from spardl_grace import CountingTransport, grace_from_params, run_local
@@ -246,6 +246,8 @@ def test_simulator_validates_predicts_to_1024_and_plots(tmp_path):
         # Dense's predicted time grows with P; it never falls below its bandwidth term.
         assert net["dense"][-1] >= net["dense"][0]
     assert set(sim["teams"]["measured link"]["1024"]) == {str(2 ** i) for i in range(11)}
+    md = tables.tables(tmp_path)
+    assert "| spardl | 2 |" not in md and "| 2 | spardl |" in md and "P=1024" in md
     made = plots.plot_all(tmp_path)
     assert {p.name for p in made} == {"time_vs_workers.png", "simulated_scaling.png",
                                       "spardl_teams.png"}

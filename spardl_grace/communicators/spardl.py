@@ -90,8 +90,9 @@ class SparDL(CodedAllreduce):
             self.last_stats = stats.as_dict()
             return tensor.clone(), tensor.clone()
 
-        original = torch.zeros(m * block, dtype=tensor.dtype, device=tensor.device)
+        original = torch.empty(m * block, dtype=tensor.dtype, device=tensor.device)
         original[:n] = tensor
+        original[n:] = 0
         working = original.clone()
         blocks = working.view(m, block)
         team_ranks = [self.team * m + j for j in range(m)]
@@ -108,9 +109,8 @@ class SparDL(CodedAllreduce):
             with stats.timer("coding_s"):
                 idx, vals = self.codec.decode(data, block, tensor.dtype, tensor.device,
                                               f"{key}.final.{j}")
-            result[j * block + idx] = vals
+            result[j * block + idx] = vals / self.transport.size  # zeros need no division
             selected.append(j * block + idx)
-        result /= self.transport.size
         positions = torch.cat(selected)
         residual = original
         residual[positions] = working[positions]

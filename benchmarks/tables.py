@@ -1,0 +1,89 @@
+"""The README's benchmark tables, as markdown, from the JSON results.
+
+    python -m benchmarks.tables benchmarks/results > benchmarks/results/tables.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def comm_table(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [f"{cfg['workers']} ranks, {result['numel']:,} entries ({cfg['gradient']}), density "
+             f"{cfg['density']}, network {cfg['bandwidth'] or 'unshaped loopback'}; link measured "
+             f"alpha {result['link']['alpha'] * 1e3:.2f} ms, "
+             f"{8 / result['link']['beta'] / 1e6:,.0f} Mbit/s" if result["link"]["beta"] else "",
+             "",
+             "| algorithm | total s | selection s | comm s | coding s | MB/rank | vs formula | vs dense |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in result["algorithms"].items():
+        lines.append(f"| {name} | {r['total_s']['median']:.3f} | {r['selection_s']['median']:.3f} | "
+                     f"{r['comm_s']['median']:.3f} | {r['coding_s']['median']:.3f} | "
+                     f"{r['bytes_sent_per_rank'] / 1e6:.3f} | {r['bytes_vs_formula']:.3f} | "
+                     f"{r.get('time_vs_dense', float('nan')):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def simulation_tables(sim: dict[str, Any]) -> str:
+    rows = sim["validation"]
+    lines = ["Validation (communication seconds, median over steps):", "",
+             "| P | algorithm | measured | from trace | from schedule |", "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["algorithm"], r["workers"])):
+        lines.append(f"| {r['workers']} | {r['algorithm']} | {r['measured_comm_s']:.4f} | "
+                     f"{r['trace_predicted_s']:.4f} | {r['schedule_predicted_s']:.4f} |")
+    by_alg: dict[str, list[float]] = {}
+    for r in rows:
+        by_alg.setdefault(r["algorithm"], []).append(abs(r["trace_error"]))
+    lines += ["", "Median |error| of the trace prediction: " + ", ".join(
+        f"{a} {statistics.median(v):.0%}" for a, v in sorted(by_alg.items())) + ".", ""]
+    sizes = sim["sizes"]
+    lines += [f"Predicted communication seconds, {sim['numel']:,} entries, density {sim['density']}:",
+              "", "| network | algorithm | P=16 | P=64 | P=256 | P=1024 |", "|---|---|---|---|---|---|"]
+    for net, algs in sim["scaling"].items():
+        for name, secs in algs.items():
+            lines.append(f"| {net} | {name} | " + " | ".join(
+                f"{secs[sizes.index(p)]:.4f}" for p in (16, 64, 256, 1024)) + " |")
+    lines += ["", "SparDL against d (teams), predicted seconds:", "",
+              "| network | P | " + " | ".join(f"d={d}" for d in (1, 2, 4, 8, 16, 32, 64)) + " |",
+              "|---|---|" + "---|" * 7]
+    for net, by_p in sim["teams"].items():
+        for p, by_d in by_p.items():
+            lines.append(f"| {net} | {p} | " + " | ".join(
+                f"{by_d[str(d)]:.4f}" for d in (1, 2, 4, 8, 16, 32, 64)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def codec_table(res: dict[str, Any]) -> str:
+    lines = [f"{res['model']} gradient, {res['numel']:,} entries, k = {res['k']:,}, one thread:", "",
+             "| codec (index + value) | bytes / uncoded | encode MB/s | decode MB/s | value error |",
+             "|---|---|---|---|---|"]
+    for name, r in res["configs"].items():
+        lines.append(f"| {name} | {r['ratio_to_uncoded']:.3f} | {r['encode_mb_per_s']:.1f} | "
+                     f"{r['decode_mb_per_s']:.1f} | {r['relative_error']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def tables(folder: Path) -> str:
+    parts = []
+    for path in sorted(folder.glob("comm_vgg16_*.json")):
+        parts.append(f"### {path.name}\n\n" + comm_table(json.loads(path.read_text())))
+    if (folder / "simulation.json").exists():
+        parts.append("### simulation.json\n\n" + simulation_tables(
+            json.loads((folder / "simulation.json").read_text())))
+    for path in sorted(folder.glob("codec_speed_*.json")):
+        parts.append(f"### {path.name}\n\n" + codec_table(json.loads(path.read_text())))
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path)
+    print(tables(p.parse_args(argv).folder), end="")
+
+
+if __name__ == "__main__":
+    main()
