@@ -67,6 +67,16 @@ def codec_table(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def codecs_on_spardl_table(res: dict[str, Any]) -> str:
+    lines = ["| index + value codec | bytes / step / rank | vs uncoded | coding ms / step | "
+             "result difference, step 0 |", "|---|---|---|---|---|"]
+    for r in res["results"]:
+        lines.append(f"| {r['codec']} | {r['bytes_per_step_per_rank']:,.0f} | "
+                     f"{r['ratio_to_identity']:.2f} | {r['coding_s_per_step'] * 1e3:.0f} | "
+                     f"{r['relative_difference_step0']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def tables(folder: Path) -> str:
     parts = []
     for path in sorted(folder.glob("comm_vgg16_*.json")):
@@ -74,6 +84,9 @@ def tables(folder: Path) -> str:
     if (folder / "simulation.json").exists():
         parts.append("### simulation.json\n\n" + simulation_tables(
             json.loads((folder / "simulation.json").read_text())))
+    if (folder / "codecs_spardl.json").exists():
+        parts.append("### codecs_spardl.json\n\n" + codecs_on_spardl_table(
+            json.loads((folder / "codecs_spardl.json").read_text())))
     for path in sorted(folder.glob("codec_speed_*.json")):
         parts.append(f"### {path.name}\n\n" + codec_table(json.loads(path.read_text())))
     return "\n".join(parts)
