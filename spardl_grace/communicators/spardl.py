@@ -67,6 +67,10 @@ class SparDL(CodedAllreduce):
         self.team_size = transport.size // teams
         self.team, self.q = divmod(transport.rank, self.team_size)
         self._h: dict[str, int] = {}
+        # The working copy D is scratch: one buffer per name, reused every step, because
+        # allocating (and first touching) a gradient-sized buffer each step costs as much as a
+        # pass over it.
+        self._working: dict[str, torch.Tensor] = {}
 
     def block_layout(self, numel: int) -> tuple[int, int]:
         """(B, k_b): block length and per-block budget for a tensor of `numel` entries."""
@@ -93,7 +97,11 @@ class SparDL(CodedAllreduce):
         original = torch.empty(m * block, dtype=tensor.dtype, device=tensor.device)
         original[:n] = tensor
         original[n:] = 0
-        working = original.clone()
+        working = self._working.get(name)
+        if working is None or working.shape != original.shape or working.dtype != original.dtype \
+                or working.device != original.device:
+            working = self._working[name] = torch.empty_like(original)
+        working.copy_(original)
         blocks = working.view(m, block)
         team_ranks = [self.team * m + j for j in range(m)]
         key = f"{name}.{step}"
