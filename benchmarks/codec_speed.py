@@ -12,7 +12,6 @@ of the decoded values (0 for lossless codecs; for Bloom p0 also the false positi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from benchmarks.codecs import CONFIGS
-from benchmarks.comm import machine
+from benchmarks.comm import machine, write_json
 from deepreduce_compat.codec import codec_from_params
 from spardl_grace.compressors._sparse import count_for_ratio, topk_abs
 from spardl_grace.payload import IdentityCodec
@@ -79,9 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"decode {r['decode_mb_per_s']:8.1f} MB/s  error {r['relative_error']:.4f}")
     out = {"machine": machine(), "model": args.model, "numel": grad.numel(), "k": indices.numel(),
            "density": args.density, "torch_threads": 1, "configs": rows}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
     return out
 
 

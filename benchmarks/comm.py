@@ -48,6 +48,13 @@ def machine() -> dict[str, Any]:
             "processor": platform.processor() or platform.machine()}
 
 
+def write_json(path: Path | str | None, data: dict[str, Any]) -> None:
+    """Write a result file (creating its folder); nothing when path is None."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algorithms", default=",".join(costmodel.ALGORITHMS),
@@ -230,9 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     result = run(args)
     print(table(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
     return result
 
 

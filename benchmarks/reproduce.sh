@@ -7,7 +7,8 @@
 #   2. P = 2, 3, 4, 6, 8 on the emulated 1 Gbit network (4M entries): time against workers, and the
 #      simulator's validation set
 #   3. density 0.001 .. 0.1 at 4 workers, 1 Gbit
-#   4. the simulator (to 1024 workers, SparDL's d sweep), the codec benchmarks and the plots
+#   4. the simulator (to 1024 workers, SparDL's d sweep), the codec benchmarks, the CPU kernel
+#      timings (python -m benchmarks.kernels --device cuda where a GPU is), plots and tables
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=$(bash "$ROOT/scripts/setup_env.sh" | tail -n 1)
@@ -33,5 +34,6 @@ done
     --json "$R/simulation.json"
 "$PY" -m benchmarks.codecs --json "$R/codecs_spardl.json"
 "$PY" -m benchmarks.codec_speed --model resnet56 --json "$R/codec_speed_resnet56.json"
+"$PY" -m benchmarks.kernels --device cpu --json "$R/kernels_cpu.json"
 "$PY" -m benchmarks.plots "$R"
 "$PY" -m benchmarks.tables "$R" > "$R/tables.md"

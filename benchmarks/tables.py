@@ -77,6 +77,16 @@ def codecs_on_spardl_table(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kernels_table(res: dict[str, Any]) -> str:
+    lines = [f"{res['device_name']} ({res['torch_threads']} thread(s)), {res['numel']:,} entries, "
+             f"k = {res['k']:,}, copy bandwidth {res['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s:",
+             "", "| kernel | ms | floor ms | vs floor |", "|---|---|---|---|"]
+    for name, r in res["kernels"].items():
+        lines.append(f"| {name} | {r['seconds'] * 1e3:.2f} | {r['floor_seconds'] * 1e3:.3f} | "
+                     f"{r['vs_floor']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def tables(folder: Path) -> str:
     parts = []
     for path in sorted(folder.glob("comm_vgg16_*.json")):
@@ -89,6 +99,8 @@ def tables(folder: Path) -> str:
             json.loads((folder / "codecs_spardl.json").read_text())))
     for path in sorted(folder.glob("codec_speed_*.json")):
         parts.append(f"### {path.name}\n\n" + codec_table(json.loads(path.read_text())))
+    for path in sorted(folder.glob("kernels_*.json")):
+        parts.append(f"### {path.name}\n\n" + kernels_table(json.loads(path.read_text())))
     return "\n".join(parts)
 
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks import comm, costmodel, netem, plots, simulate, tables
+from benchmarks import comm, costmodel, kernels, netem, plots, simulate, tables
 from benchmarks.costmodel import Network, Op
 from experiments import report
 from spardl_grace import CountingTransport, grace_from_params, run_local
@@ -268,3 +268,21 @@ def test_training_report_tables_and_plots_runs(tmp_path):
     assert rows[1]["final_test_accuracy"] == 0.7
     assert "| spardl | 1 | 0.7000 |" in (tmp_path / "summary.md").read_text()
     assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_kernel_timings_report_every_kernel_against_the_floor(tmp_path):
+    out = kernels.main(["--device", "cpu", "--numel", "100000", "--repeat", "1",
+                        "--json", str(tmp_path / "kernels_cpu.json")])
+    assert out["k"] == 1000 and out["copy_bandwidth_bytes_per_s"] > 0
+    assert {"topk_abs (prefilter)", "threshold select", "scatter k into zeros",
+            "encode delta", "decode qsgd"} <= set(out["kernels"])
+    for r in out["kernels"].values():
+        assert r["floor_seconds"] == pytest.approx(r["bytes_touched"] / out["copy_bandwidth_bytes_per_s"])
+    assert "| topk_abs (prefilter) |" in tables.tables(tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+def test_kernel_timings_refuse_cuda_without_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        kernels.main(["--device", "cuda"])
+    assert "no CUDA device" in capsys.readouterr().err
