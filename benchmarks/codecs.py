@@ -12,14 +12,12 @@ Bloom p0 also the values of its false positives, which are applied too).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.comm import machine, write_json
 from experiments.datasets import load_fashion_mnist
 from experiments.models.small import FashionCNN
 from spardl_grace import grace_from_params, run_local
@@ -100,14 +98,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{name:28s} {rows[-1]['bytes_per_step_per_rank']:9.0f} B  "
               f"x{rows[-1]['ratio_to_identity']:.3f}  coding {rows[-1]['coding_s_per_step'] * 1e3:7.2f} ms  "
               f"difference {error:.4f}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "cpu_count": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads()},
+    write_json(args.json, {
+        "machine": {**machine(), "torch_threads": torch.get_num_threads()},
         "model": "FashionCNN (18,378 parameters), batch 64 per worker, Fashion-MNIST",
         "workers": args.workers, "density": args.density, "steps": args.steps,
-        "results": rows}, indent=2))
+        "results": rows})
     return rows
 
 

@@ -37,14 +37,12 @@ def join(timeout: float) -> Transport:
 
 
 def algorithm_params(name: str, density: float, teams: int, codec: dict[str, Any]) -> dict[str, Any]:
-    """GRACE params of one benchmarked algorithm (the same table as the training CLI)."""
+    """GRACE params of one benchmarked algorithm: the training CLI's, codec on sparse ones."""
+    from experiments.main_trainer import allreduce_params
+    params = allreduce_params(name, teams)
     if name == "dense":
-        return {"compressor": "none", "memory": "none", "communicator": "dense"}
-    params = {"compressor": "topk", "memory": "global_residual", "communicator": name,
-              "compress_ratio": density, **codec}
-    if name == "spardl":
-        params["teams"] = teams
-    return params
+        return params
+    return {**params, "compress_ratio": density, **codec}
 
 
 def gradients(cfg: dict[str, Any], rank: int, steps: int) -> list[torch.Tensor]:

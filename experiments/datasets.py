@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from experiments import text
+from experiments.text import check_split
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 _IDX_DTYPES = {0x08: np.uint8}
@@ -36,8 +37,7 @@ def read_idx(path: Path) -> np.ndarray:
 def load_fashion_mnist(split: str = "train", data_dir: Path | str | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(images float32 N x 1 x 28 x 28 scaled to [0, 1], labels int64 N) of 'train' or 'test'."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    check_split(split)
     root = Path(data_dir) if data_dir is not None else FASHION_MNIST_DIR
     prefix = "train" if split == "train" else "t10k"
     images_path = root / f"{prefix}-images-idx3-ubyte.gz"
@@ -66,7 +66,7 @@ def load_digits(split: str = "train", data_dir: Path | str | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's 1,797 8 x 8 digits (bundled with it): images 1 x 8 x 8 in [0, 1]; the
     first 1,437 are 'train', the last 360 'test'."""
-    _check_split(split)
+    check_split(split)
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as exc:
@@ -79,11 +79,6 @@ def load_digits(split: str = "train", data_dir: Path | str | None = None
     return (images[:cut], labels[:cut]) if split == "train" else (images[cut:], labels[cut:])
 
 
-def _check_split(split: str) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-
-
 def _unpickle(path: Path) -> dict:
     import pickle
     with open(path, "rb") as f:
@@ -94,7 +89,7 @@ def load_cifar(split: str, data_dir: Path | str | None, classes: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """CIFAR-10 (cifar-10-batches-py/) or CIFAR-100 (cifar-100-python/) in the python pickle
     format of www.cs.toronto.edu/~kriz/cifar.html: images 3 x 32 x 32 in [0, 1]."""
-    _check_split(split)
+    check_split(split)
     folder = "cifar-10-batches-py" if classes == 10 else "cifar-100-python"
     root = Path(data_dir) / folder if data_dir is not None else None
     if root is None or not root.is_dir():
@@ -126,9 +121,10 @@ class ImageFolder:
         self.root, self.size = root, size
         if files is None:
             classes = sorted(d.name for d in root.iterdir() if d.is_dir())
-            files = [f for c in classes for f in sorted((root / c).iterdir())
-                     if f.suffix.lower() in self.EXTENSIONS]
-            labels = torch.tensor([classes.index(f.parent.name) for f in files], dtype=torch.int64)
+            pairs = [(f, label) for label, c in enumerate(classes)
+                     for f in sorted((root / c).iterdir()) if f.suffix.lower() in self.EXTENSIONS]
+            files = [f for f, _ in pairs]
+            labels = torch.tensor([label for _, label in pairs], dtype=torch.int64)
         self.files, self.labels = files, labels
 
     def __len__(self) -> int:
@@ -155,7 +151,7 @@ def load_imagenet(split: str = "train", data_dir: Path | str | None = None
                   ) -> tuple[ImageFolder, torch.Tensor]:
     """ImageNet (ILSVRC-2012) as folders: data_dir/train/CLASS/*.JPEG and data_dir/val/CLASS/*
     ('test' reads val), read lazily at 224 x 224."""
-    _check_split(split)
+    check_split(split)
     root = Path(data_dir) / ("train" if split == "train" else "val") if data_dir else None
     if root is None or not root.is_dir():
         raise FileNotFoundError("ImageNet not found: get ILSVRC-2012 from https://image-net.org, "
@@ -188,6 +184,6 @@ def load_dataset(name: str, split: str, data_dir: Path | str | None = None,
     classification text sets (experiments.text.TOKENIZERS)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid choices: {', '.join(sorted(DATASETS))}")
-    if name in ("tweets", "imdb"):
+    if DATASET_TASKS[name] == "text":
         return DATASETS[name][0](split, data_dir, tokenizer)
     return DATASETS[name][0](split, data_dir)

