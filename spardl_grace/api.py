@@ -95,8 +95,10 @@ class Memory(ABC):
                tensor_compressed: Sequence[torch.Tensor], ctx: Any) -> None:
         """Remember what compression dropped (GRACE communicators, before communication)."""
 
-    def store_residual(self, name: str, residual: torch.Tensor) -> None:
-        """Remember `residual` for `name` (sparse all-reduces, after communication)."""
+    def store_residual(self, name: str, residual: torch.Tensor,
+                       result: torch.Tensor | None = None) -> None:
+        """Remember `residual` for `name` (sparse all-reduces, after communication); `result`
+        is the average every rank applied (momentum correction masks its velocity with it)."""
         raise ValueError(f"{type(self).__name__} cannot hold the residual of a sparse all-reduce; "
                          "use memory 'global_residual', 'residual' or 'none'")
 
@@ -195,8 +197,9 @@ class SparseAllreduce(Communicator):
     def send_step(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
         compensated = self.memory.compensate(tensor, name)
         result, residual = self.reduce(compensated.reshape(-1), name)
-        self.memory.store_residual(name, residual.view(tensor.shape))
-        return result.view(tensor.shape), None
+        result = result.view(tensor.shape)
+        self.memory.store_residual(name, residual.view(tensor.shape), result)
+        return result, None
 
     def send_receive(self, tensors, name, ctx):  # pragma: no cover - sparse all-reduces use reduce
         raise NotImplementedError("sparse all-reduces communicate in reduce()")

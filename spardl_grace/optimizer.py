@@ -201,6 +201,16 @@ class _DistributedOptimizer:
         self._sync.load_state_dict(state)
 
 
+def _check_momentum(optimizer: torch.optim.Optimizer, grace: Communicator) -> None:
+    """Momentum correction moves the momentum into the memory; a second momentum in the
+    optimizer would apply it twice (DGC runs plain SGD on the synchronised result)."""
+    mc = getattr(grace.memory, "momentum_correction", 0.0)
+    if mc and any(group.get("momentum", 0) for group in optimizer.param_groups):
+        raise ValueError(f"the grace memory applies momentum correction ({mc}) to the gradients "
+                         "before they are synchronised: give the optimizer momentum=0 (to keep "
+                         "weight decay's steady-state effect, scale it by 1/(1 - momentum))")
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, grace: Communicator | None = None,
                          named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                          backward_passes_per_step: int = 1, bucket_cap_mb: float | None = None,
@@ -230,6 +240,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, grace: Communicator |
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer")
+    _check_momentum(optimizer, grace)
     named = _named(optimizer, named_parameters)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)

@@ -8,7 +8,9 @@ Keys and defaults follow GRACE: compressor 'none', memory 'none', communicator '
 compress_ratio 0.01 (0.3 for dgc), threshold 0.01, quantum_num 127, momentum 0.9, lr 0.1,
 gradient_clipping False; plus world_size (checked against the transport), 'density' (alias of
 compress_ratio), 'teams' (SparDL's d, default 1), 'powersgd_rank' (default 1), 'seed'
-(default 0, for shared random draws), 'gtopk_residual' ('exact' or 'paper', default 'exact')
+(default 0, for shared random draws), 'gtopk_residual' ('exact' or 'paper', default 'exact'),
+DGC's 'momentum_correction' (m in [0, 1), default 0: off) and 'local_clip_norm' (None: off) for
+memory 'global_residual' with a sparse all-reduce (see spardl_grace.memories.residual)
 and Ok-Topk's 'oktopk_warmup' (0), 'oktopk_threshold_interval' (32), 'oktopk_region_interval'
 (64), 'oktopk_local_scale' (1.012), 'oktopk_global_scale' (1.008). Every unknown key, name or
 out-of-range value raises ValueError naming the valid choices.
@@ -58,8 +60,10 @@ COMPRESSORS: dict[str, Callable[[dict], Compressor]] = {
 
 MEMORIES: dict[str, Callable[[dict], Memory]] = {
     "none": lambda p: M.NoneMemory(),
-    "residual": lambda p: M.ResidualMemory(),
-    "global_residual": lambda p: M.GlobalResidualMemory(),
+    "residual": lambda p: M.ResidualMemory(momentum_correction=p["momentum_correction"],
+                                           local_clip_norm=p["local_clip_norm"]),
+    "global_residual": lambda p: M.GlobalResidualMemory(
+        momentum_correction=p["momentum_correction"], local_clip_norm=p["local_clip_norm"]),
     "dgc": lambda p: M.DgcMemory(p["momentum"], p["gradient_clipping"]),
     "efsignsgd": lambda p: M.EFSignSGDMemory(p["lr"]),
     "powersgd": lambda p: M.PowerSGDMemory(),
@@ -87,12 +91,14 @@ COMMUNICATORS = sorted([*GRACE_COMMUNICATORS, *SPARSE_COMMUNICATORS])
 LINEAR_COMPRESSORS = {"none", "fp16", "randomk", "powersgd"}
 SPARSE_INDEX_COMPRESSORS = {"topk", "threshold", "dgc"}
 SPARSE_MEMORIES = {"global_residual", "residual", "none"}
+# Memories that take DGC's momentum correction and local clipping (with a sparse all-reduce).
+DGC_TECHNIQUE_MEMORIES = {"global_residual", "residual"}
 
 DEFAULTS: dict[str, Any] = {
     "compressor": "none", "memory": "none", "communicator": "allreduce",
     "compress_ratio": None, "threshold": 0.01, "quantum_num": 127, "momentum": 0.9, "lr": 0.1,
     "gradient_clipping": False, "world_size": None, "teams": 1, "powersgd_rank": 1, "seed": 0,
-    "gtopk_residual": "exact", **{f"oktopk_{k}": v for k, v in OKTOPK_DEFAULTS.items()},
+    "gtopk_residual": "exact", "momentum_correction": 0.0, "local_clip_norm": None, **{f"oktopk_{k}": v for k, v in OKTOPK_DEFAULTS.items()},
 }
 KNOWN_KEYS = set(DEFAULTS) | set(DEEPREDUCE_DEFAULTS) | {"density"}
 
@@ -139,6 +145,14 @@ def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
     _in_range("powersgd_rank", p["powersgd_rank"],
               isinstance(p["powersgd_rank"], int) and p["powersgd_rank"] >= 1, "an int >= 1")
     _choice("gtopk_residual rule", p["gtopk_residual"], RESIDUAL_RULES)
+    mc = p["momentum_correction"]
+    _in_range("momentum_correction", mc,
+              isinstance(mc, (int, float)) and not isinstance(mc, bool) and 0 <= mc < 1,
+              "a number in [0, 1) (0 turns it off)")
+    clip = p["local_clip_norm"]
+    _in_range("local_clip_norm", clip,
+              clip is None or (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0),
+              "None (off) or a number > 0")
     check_oktopk_params(**{key: p[f"oktopk_{key}"] for key in OKTOPK_DEFAULTS})
     p.update(resolve_deepreduce(p))
     _check_combination(p)
@@ -147,6 +161,12 @@ def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
 
 def _check_combination(p: dict[str, Any]) -> None:
     comp, mem, comm = p["compressor"], p["memory"], p["communicator"]
+    for key in ("momentum_correction", "local_clip_norm"):
+        if p[key] and (comm not in SPARSE_COMMUNICATORS or mem not in DGC_TECHNIQUE_MEMORIES):
+            raise ValueError(f"{key} is an option of memory {sorted(DGC_TECHNIQUE_MEMORIES)} with a "
+                             f"sparse all-reduce ({', '.join(sorted(SPARSE_COMMUNICATORS))}); got "
+                             f"memory {mem!r}, communicator {comm!r} (GRACE's 'dgc' memory has its "
+                             "own momentum)")
     if p["deepreduce"] is not None and comm == "dense":
         raise ValueError("communicator 'dense' sends no sparse payload for DeepReduce to code: "
                          "set 'deepreduce' to None or choose a sparse communicator")

@@ -6,5 +6,5 @@ class NoneMemory(Memory):
     def compensate(self, tensor, name):
         return tensor
 
-    def store_residual(self, name, residual):
+    def store_residual(self, name, residual, result=None):
         pass

@@ -4,8 +4,27 @@ after communication (for SparDL, Global Residual Collection: what was dropped an
 way, including other workers' contributions this worker absorbed).
 
 Residuals are kept in float32 (or float64) even for half-precision gradients, so small
-corrections are not rounded away; compensate returns the wider dtype."""
+corrections are not rounded away; compensate returns the wider dtype.
+
+With a sparse all-reduce, two of DGC's techniques (Lin et al., "Deep Gradient Compression")
+are options of this memory:
+
+* momentum correction m: the worker keeps a velocity u per name, u <- m*u + g, and the sparse
+  all-reduce synchronises R + u instead of R + g. After the step, momentum factor masking
+  clears u wherever the applied result is non-zero (the entries every rank just applied), so
+  stale momentum does not push an entry that was already updated. The optimizer then runs
+  without its own momentum (DistributedOptimizer refuses SGD with momentum > 0).
+  Conserved: sum_w (R_w + m*u_w + g_w) == P * result + sum_w R'_w, exactly the sparse
+  all-reduce's own invariant with g replaced by the new velocity. Masking removes momentum
+  (a factor on past gradients), never gradient mass: every gradient enters R + u once, and
+  what the velocity held at a masked entry was applied as part of that entry's result.
+* local gradient clipping c: each worker clips its gradient to L2 norm c / sqrt(P) before it
+  enters the velocity, so the sum over P workers is bounded by about c, as a clip of the
+  averaged gradient to c would bound it.
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -17,38 +36,69 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 
 
 class ResidualMemory(Memory):
-    def __init__(self, beta: float = 1.0, gamma: float = 1.0):
+    def __init__(self, beta: float = 1.0, gamma: float = 1.0, momentum_correction: float = 0.0,
+                 local_clip_norm: float | None = None):
         super().__init__()
         self.beta = beta
         self.gamma = gamma
+        self.momentum_correction = momentum_correction
+        self.local_clip_norm = local_clip_norm
         self.residuals: dict[str, torch.Tensor] = {}
+        self.velocities: dict[str, torch.Tensor] = {}
+        self._new_velocity: dict[str, torch.Tensor] = {}
 
     def compensate(self, tensor, name):
         tensor = _wide(tensor)
+        if self.local_clip_norm is not None:
+            tensor = self._clip(tensor)
+        if self.momentum_correction:
+            velocity = self.velocities.get(name)
+            if velocity is not None:
+                self._check_shape("velocity", name, velocity, tensor)
+                tensor = torch.add(tensor, velocity, alpha=self.momentum_correction)
+            self._new_velocity[name] = tensor
         residual = self.residuals.get(name)
         if residual is None:
             return tensor if self.gamma == 1.0 else self.gamma * tensor
-        if residual.shape != tensor.shape:
-            raise ValueError(f"residual for '{name}' has shape {tuple(residual.shape)}, the gradient "
-                             f"{tuple(tensor.shape)}: one name must always carry the same tensor")
+        self._check_shape("residual", name, residual, tensor)
         if self.beta == 1.0 and self.gamma == 1.0:
             return residual + tensor  # one pass over memory instead of three
         return self.beta * residual + self.gamma * tensor
 
+    @staticmethod
+    def _check_shape(what: str, name: str, kept: torch.Tensor, tensor: torch.Tensor) -> None:
+        if kept.shape != tensor.shape:
+            raise ValueError(f"{what} for '{name}' has shape {tuple(kept.shape)}, the gradient "
+                             f"{tuple(tensor.shape)}: one name must always carry the same tensor")
+
+    def _clip(self, tensor: torch.Tensor) -> torch.Tensor:
+        size = self.transport.size if self.transport is not None else 1
+        bound = self.local_clip_norm / math.sqrt(size)
+        norm = torch.linalg.vector_norm(tensor)
+        # A tensor-valued factor keeps the clip free of a device-to-host sync.
+        return tensor * torch.clamp(bound / (norm + 1e-12), max=1.0)
+
     def update(self, tensor, name, compressor, tensor_compressed, ctx):
         self.residuals[name] = tensor - compressor.decompress(tensor_compressed, ctx)
 
-    def store_residual(self, name, residual):
+    def store_residual(self, name, residual, result=None):
         self.residuals[name] = residual
+        velocity = self._new_velocity.pop(name, None)
+        if velocity is not None:
+            if result is None:
+                raise ValueError("momentum correction masks the velocity where the result was "
+                                 "applied: store_residual needs the result")
+            self.velocities[name] = velocity.masked_fill(result != 0, 0)
 
     def stores(self):
-        return [self.residuals]
+        return [self.residuals, self.velocities]
 
     def state_dict(self):
-        return {"residuals": dict(self.residuals)}
+        return {"residuals": dict(self.residuals), "velocities": dict(self.velocities)}
 
     def load_state_dict(self, state):
         self.residuals = dict(state.get("residuals", {}))
+        self.velocities = dict(state.get("velocities", {}))
 
 
 class GlobalResidualMemory(ResidualMemory):

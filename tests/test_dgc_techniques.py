@@ -1,0 +1,164 @@
+"""DGC's momentum correction and local gradient clipping as options of the global-residual
+memory: what they conserve, what masking clears, dense behaviour at density 1, validation,
+composition with the optimizer, checkpoints, and a training run where they matter."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import scenarios
+from spardl_grace import DistributedOptimizer, grace_from_params, run_local
+
+SPARSE = ["spardl", *(p for p in scenarios.PEERS if p != "dense")]
+
+
+def run_mc(size, comm, density, m, n, steps, clip=None, teams=1):
+    """Per rank, per step: old residual, old velocity, gradient, result, new residual and
+    velocity, with momentum correction m on `comm`."""
+    def fn(t):
+        params = {**scenarios.peer_params(comm, density), "memory": "global_residual",
+                  "compressor": "topk", "momentum_correction": m, "local_clip_norm": clip}
+        if comm == "spardl":
+            params["teams"] = teams
+        grc = grace_from_params(params, transport=t)
+        g = torch.Generator().manual_seed(77 + t.rank)
+        records = []
+        for _ in range(steps):
+            grad = torch.randn(n, generator=g)
+            zeros = torch.zeros(n)
+            old_r = grc.memory.residuals.get("w", zeros).clone()
+            old_u = grc.memory.velocities.get("w", zeros).clone()
+            result = grc.step(grad, "w")
+            records.append({"grad": grad, "old_r": old_r, "old_u": old_u, "result": result,
+                            "r": grc.memory.residuals["w"].clone(),
+                            "u": grc.memory.velocities["w"].clone()})
+        return records
+    return run_local(size, fn)
+
+
+def check_momentum_correction(per_rank, size, m):
+    for step in range(len(per_rank[0])):
+        result = per_rank[0][step]["result"]
+        for rank in range(1, size):
+            assert torch.equal(per_rank[rank][step]["result"], result)
+        entered = sum(r[step]["old_r"] + m * r[step]["old_u"] + r[step]["grad"] for r in per_rank)
+        kept = sum(r[step]["r"] for r in per_rank)
+        assert torch.allclose(entered, size * result + kept, atol=1e-4), f"step {step}"
+        applied = result != 0
+        for r in per_rank:
+            velocity = m * r[step]["old_u"] + r[step]["grad"]
+            assert torch.count_nonzero(r[step]["u"][applied]) == 0
+            assert torch.allclose(r[step]["u"][~applied], velocity[~applied], atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(comm=st.sampled_from(SPARSE), size=st.integers(1, 6), n=st.integers(0, 400),
+       density=st.sampled_from([0.01, 0.05, 0.3]), m=st.sampled_from([0.5, 0.9, 0.99]))
+def test_momentum_correction_conserves_and_masks_applied_entries(comm, size, n, density, m):
+    check_momentum_correction(run_mc(size, comm, density, m, n, steps=3), size, m)
+
+
+@pytest.mark.parametrize("teams", [2, 3])
+def test_momentum_correction_with_spardl_teams(teams):
+    check_momentum_correction(run_mc(6, "spardl", 0.05, 0.9, 500, steps=4, teams=teams), 6, 0.9)
+
+
+@pytest.mark.parametrize("comm", ["spardl", *scenarios.PEERS])
+def test_density_one_applies_every_velocity_and_keeps_none(comm):
+    """At density 1 every entry is applied, so masking clears the whole velocity: DGC then
+    reduces to synchronous SGD without momentum (the documented composition)."""
+    per_rank = run_mc(4, comm, 1.0, 0.9, 300, steps=3)
+    for step in range(3):
+        grads = sum(r[step]["grad"] for r in per_rank)
+        assert torch.allclose(per_rank[0][step]["result"] * 4, grads, atol=1e-5)
+        for r in per_rank:
+            assert torch.count_nonzero(r[step]["u"]) == 0
+            assert torch.count_nonzero(r[step]["r"]) == 0
+
+
+def test_momentum_zero_is_plain_global_residuals_bit_for_bit():
+    def fn(t, params):
+        grc = grace_from_params(params, transport=t)
+        g = torch.Generator().manual_seed(5 + t.rank)
+        return [grc.step(torch.randn(1000, generator=g), "w") for _ in range(4)]
+    base = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
+            "compress_ratio": 0.02}
+    plain = run_local(4, fn, base)
+    explicit = run_local(4, fn, {**base, "momentum_correction": 0.0, "local_clip_norm": None})
+    for a, b in zip(plain, explicit):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_local_clipping_bounds_each_workers_gradient(size):
+    clip = 2.0
+
+    def fn(t):
+        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
+                                 "communicator": "dense", "local_clip_norm": clip}, transport=t)
+        big = torch.full((100,), 10.0) * (t.rank + 1)
+        small = torch.full((100,), 1e-4)
+        return grc.step(big, "big"), grc.step(small, "small")
+    for big, small in run_local(size, fn):
+        # every worker's gradient is clipped to norm clip/sqrt(P), keeping its direction
+        assert torch.allclose(big, torch.full((100,), clip / math.sqrt(size) / 10.0), atol=1e-6)
+        assert torch.equal(small, torch.full((100,), 1e-4))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"momentum_correction": 1.0}, "momentum_correction must be a number in [0, 1)"),
+    ({"momentum_correction": -0.1}, "momentum_correction must be"),
+    ({"momentum_correction": True}, "momentum_correction must be"),
+    ({"local_clip_norm": 0}, "local_clip_norm must be None (off) or a number > 0"),
+    ({"local_clip_norm": "1"}, "local_clip_norm must be"),
+    ({"communicator": "allgather", "memory": "residual", "momentum_correction": 0.9},
+     "momentum_correction is an option of memory"),
+    ({"memory": "none", "momentum_correction": 0.9}, "momentum_correction is an option of memory"),
+    ({"communicator": "allgather", "memory": "residual", "local_clip_norm": 1.0},
+     "local_clip_norm is an option of memory"),
+])
+def test_bad_settings_name_the_valid_choices(bad, message):
+    params = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl", **bad}
+    with pytest.raises(ValueError) as err:
+        run_local(1, lambda t: grace_from_params(params, transport=t))
+    assert message in str(err.value)
+
+
+def test_optimizer_with_its_own_momentum_is_refused():
+    def fn(t):
+        model = torch.nn.Linear(4, 2)
+        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
+                                 "communicator": "spardl", "momentum_correction": 0.9}, transport=t)
+        with pytest.raises(ValueError, match="give the optimizer momentum=0"):
+            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), grc,
+                                 named_parameters=model.named_parameters())
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grc,
+                                   named_parameters=model.named_parameters())
+        return type(opt).__name__
+    assert run_local(1, fn) == ["SGD"]
+
+
+def test_velocities_survive_a_checkpoint_and_resume_bit_identically():
+    params = {"compressor": "topk", "memory": "global_residual", "communicator": "topka",
+              "compress_ratio": 0.05, "momentum_correction": 0.9}
+
+    def fn(t, stop):
+        grc = grace_from_params(params, transport=t)
+        g = torch.Generator().manual_seed(11 + t.rank)
+        grads = [torch.randn(500, generator=g) for _ in range(6)]
+        out = []
+        for i, grad in enumerate(grads):
+            if i == stop:
+                state = grc.state_dict()
+                grc = grace_from_params(params, transport=t)
+                grc.load_state_dict(state)
+            out.append(grc.step(grad, "w"))
+        return out
+    straight = run_local(3, fn, -1)
+    resumed = run_local(3, fn, 3)
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
