@@ -24,15 +24,13 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import costmodel
-from benchmarks.netem import EmulatedNetwork, rate_bits_per_s
+from benchmarks.netem import EmulatedNetwork, rank_env, rate_bits_per_s, run_all
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("gloo", "mpi", "horovod")
@@ -127,37 +125,14 @@ def launch(args: argparse.Namespace, config: Path, net: EmulatedNetwork | None) 
         envs = [env]
     else:
         from experiments.main_trainer import free_port
-        port = str(free_port())
-        cmds, envs = [], []
-        for rank in range(args.workers):
-            rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(args.workers),
-                            LOCAL_RANK=str(rank), MASTER_PORT=port,
-                            MASTER_ADDR=net.address(0) if net else "127.0.0.1")
-            if net:
-                rank_env["GLOO_SOCKET_IFNAME"] = net.interface(rank)
-            cmds.append(net.command(rank, worker) if net else worker)
-            envs.append(rank_env)
-    logs = [tempfile.TemporaryFile() for _ in cmds]
-    procs = [subprocess.Popen(c, cwd=ROOT, env=e, stdout=log, stderr=subprocess.STDOUT)
-             for c, e, log in zip(cmds, envs, logs)]
-    deadline = time.monotonic() + args.timeout * 2
+        port = free_port()
+        cmds = [net.command(rank, worker) if net else worker for rank in range(args.workers)]
+        envs = [net.rank_env(rank, port, env) if net else rank_env(rank, args.workers, port, env)
+                for rank in range(args.workers)]
     try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode != 0 for p in procs):
-        tails = []
-        for i, log in enumerate(logs):
-            log.seek(0)
-            tails.append(f"--- process {i} (exit {procs[i].returncode}):\n"
-                         + log.read().decode(errors="replace")[-3000:])
-        raise RuntimeError("benchmark workers failed\n" + "\n".join(tails))
+        run_all(cmds, envs, ROOT, timeout=args.timeout * 2)
+    except RuntimeError as exc:
+        raise RuntimeError(f"benchmark {exc}") from None
 
 
 def spread(values: list[float]) -> dict[str, float]:

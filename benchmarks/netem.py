@@ -18,6 +18,9 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
+import time
+from pathlib import Path
 from types import TracebackType
 
 RATE = re.compile(r"^\d+(\.\d+)?(kbit|mbit|gbit)$")
@@ -44,6 +47,59 @@ def available() -> str | None:
         return f"ip netns add failed: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def rank_env(rank: int, size: int, port: int, base: dict[str, str], master: str = "127.0.0.1",
+             interface: str | None = None) -> dict[str, str]:
+    """torch.distributed's env:// variables for one of `size` local ranks (loopback unless a
+    master address and gloo interface are given)."""
+    env = dict(base, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+               MASTER_PORT=str(port), MASTER_ADDR=master)
+    if interface:
+        env["GLOO_SOCKET_IFNAME"] = interface
+    return env
+
+
+def interface_tx_bytes() -> int | None:
+    """Bytes this process's namespace has sent through its gloo interface (GLOO_SOCKET_IFNAME):
+    what crossed the emulated link, headers included. None when not on an emulated network."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    path = Path(f"/sys/class/net/{name}/statistics/tx_bytes") if name else None
+    if path is None or not path.exists():
+        return None
+    return int(path.read_text())
+
+
+def run_all(cmds: list[list[str]], envs: list[dict[str, str]], cwd: str | Path,
+            timeout: float | None = None, stream: int | None = None) -> None:
+    """Run the processes to completion. When one fails (or `timeout` seconds pass) the others
+    are killed and RuntimeError carries every process's last output. `stream`: the index of
+    a process whose output goes to this terminal instead of being captured."""
+    logs = [None if i == stream else tempfile.TemporaryFile() for i in range(len(cmds))]
+    procs = [subprocess.Popen(c, cwd=cwd, env=e, stdout=log,
+                              stderr=None if log is None else subprocess.STDOUT)
+             for c, e, log in zip(cmds, envs, logs)]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or \
+                    (deadline is not None and time.monotonic() > deadline):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode != 0 for p in procs):
+        tails = []
+        for i, log in enumerate(logs):
+            text = "(printed above)"
+            if log is not None:
+                log.seek(0)
+                text = log.read().decode(errors="replace")[-3000:]
+            tails.append(f"--- process {i} (exit {procs[i].returncode}):\n{text}")
+        raise RuntimeError("workers failed\n" + "\n".join(tails))
 
 
 def _run(*argv: str) -> None:
@@ -79,6 +135,11 @@ class EmulatedNetwork:
 
     def command(self, rank: int, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.namespace(rank), *argv]
+
+    def rank_env(self, rank: int, port: int, base: dict[str, str]) -> dict[str, str]:
+        """torch.distributed's env:// variables for `rank`, with gloo bound to the rank's
+        shaped interface and rank 0's address as the master."""
+        return rank_env(rank, self.size, port, base, self.address(0), self.interface(rank))
 
     def __enter__(self) -> "EmulatedNetwork":
         why = available()

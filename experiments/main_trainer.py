@@ -7,17 +7,24 @@
     horovodrun -np 4 -H localhost:4 --gloo python -m experiments.main_trainer ...
     python -m experiments.main_trainer --config run.yaml          # the same keys, in a file
 
-Started as a plain command it launches --nworkers local worker processes itself (gloo).
-Under a launcher it joins that launcher's ranks. Without --compression every algorithm runs
-dense. --compressor takes a sparse all-reduce (spardl, topka, topkdsa, gtopk, oktopk,
-gaussiank, dense) or a GRACE compressor (topk, randomk, qsgd, ...), which then runs with
-GRACE's memory and communicator for it.
+Started as a plain command it launches --nworkers local worker processes itself (gloo); with
+--bandwidth RATE each of them runs in its own network namespace behind a link shaped to RATE
+(benchmarks.netem, root only). Under a launcher it joins that launcher's ranks. Without
+--compression every algorithm runs dense. --compressor takes a sparse all-reduce (spardl,
+topka, topkdsa, gtopk, oktopk, gaussiank, dense), a GRACE compressor (topk, randomk, qsgd, ...),
+which then runs with GRACE's memory and communicator for it, or one of PyTorch's own choices
+as they ship: DistributedDataParallel (torch_ddp) with its fp16 hook (torch_fp16) or its
+PowerSGD hook (torch_powersgd, --powersgd-rank).
 
 The recipe is the reference one: SGD with momentum 0.9 and weight decay 1e-4, the learning
 rate warmed up linearly from lr/P over --warmup-epochs, then multiplied by 0.1 at each epoch in
---lr-decay. Rank 0 writes OUT/log.jsonl (one line per step and per epoch) and OUT/epochs.csv,
-and, with --log wandb or tensorboard, logs there too. Every rank checkpoints OUT/ckpt-rank{r}.pt
-at the end of each epoch; --resume continues from it.
+--lr-decay. With --momentum-correction m (DGC) the momentum moves into the gradient memory and
+SGD runs without its own, with weight decay 1e-4/(1-m) (the same steady-state decay).
+Evaluation (on rank 0, every --eval-every steps and after each epoch) is not counted in the
+training time, which --time-budget bounds and --target-accuracy measures against.
+Rank 0 writes OUT/log.jsonl (one line per step, evaluation and epoch) and OUT/epochs.csv,
+and, with --log wandb or tensorboard, logs there too. Every rank checkpoints
+OUT/ckpt-rank{r}.pt at the end of each epoch; --resume continues from it.
 """
 from __future__ import annotations
 
@@ -46,7 +53,9 @@ GRACE_PAIRS = {
     "efsignsgd": ("efsignsgd", "allgather"), "onebit": ("residual", "allgather"),
     "natural": ("none", "allgather"),
 }
-COMPRESSORS = (*SPARSE_ALLREDUCES, *GRACE_PAIRS)
+BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd")  # experiments.baselines
+COMPRESSORS = (*SPARSE_ALLREDUCES, *GRACE_PAIRS, *BASELINES)
+WEIGHT_DECAY = 1e-4
 DENSITY_COMPRESSORS = (*(c for c in SPARSE_ALLREDUCES if c != "dense"), "topk", "randomk", "dgc")
 LOGS = ("csv", "wandb", "tensorboard")
 # The sparse all-reduces' own split of a sync (seconds); GRACE's loop reports none of them.
@@ -71,6 +80,12 @@ def grace_params(args: argparse.Namespace) -> dict[str, Any]:
         memory, communicator = GRACE_PAIRS[args.compressor]
         params = {"compressor": args.compressor, "memory": memory, "communicator": communicator}
     params.update(compress_ratio=args.density, seed=args.seed)
+    if params["compressor"] == "powersgd":
+        params["powersgd_rank"] = args.powersgd_rank
+    if args.momentum_correction:
+        params["momentum_correction"] = args.momentum_correction
+    if args.local_clip_norm is not None:
+        params["local_clip_norm"] = args.local_clip_norm
     if args.deepreduce:
         if params["communicator"] in ("dense", "allreduce", "broadcast"):
             raise SystemExit(f"--deepreduce codes sparse messages; {args.compressor} sends none")
@@ -100,9 +115,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compression", action="store_true", help="use --compressor (otherwise dense)")
     p.add_argument("--compressor", default="spardl", choices=COMPRESSORS)
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--density-warmup", type=int, default=0,
-                   help="DGC's density warm-up: density 0.25, 0.0625, ... (x1/4 per epoch, never "
-                        "below --density) over these first epochs")
+    p.add_argument("--density-warmup", type=float, default=0.0,
+                   help="DGC's density warm-up over these first epochs (a fraction is fine): "
+                        "density 0.25, 0.0625, ... (x1/4 per stage, stages of equal length) "
+                        "while above --density")
+    p.add_argument("--momentum-correction", type=float, default=None,
+                   help="DGC's momentum correction m for a sparse all-reduce (SGD then runs "
+                        "without momentum)")
+    p.add_argument("--local-clip-norm", type=float, default=None,
+                   help="DGC's local gradient clipping: each worker's gradient to this L2 norm "
+                        "/ sqrt(P) (sparse all-reduces)")
+    p.add_argument("--powersgd-rank", type=int, default=1, help="powersgd and torch_powersgd")
+    p.add_argument("--powersgd-start-iter", type=int, default=10,
+                   help="torch_powersgd: plain all-reduce before this step (torch's "
+                        "start_powerSGD_iter, at least 2)")
     p.add_argument("--teams", type=int, default=1, help="SparDL's d")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
@@ -115,6 +141,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="experiments/results/run")
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt-rank{r}.pt")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a silent peer is an error")
+    p.add_argument("--bandwidth", default=None,
+                   help="run the --nworkers workers on an emulated network whose links are "
+                        "shaped to this rate, e.g. 100mbit, 1gbit (root only)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate every N steps as well as after each epoch (0: epochs only)")
+    p.add_argument("--target-accuracy", type=float, default=None,
+                   help="log the training time at which test accuracy first reaches this")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="stop at the first evaluation after this many seconds of training")
     if known.config:
         p.set_defaults(**load_config(known.config, p))
     args = p.parse_args(argv)
@@ -127,18 +162,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(filter(None, args.log.split(","))) - set(LOGS)
     if unknown:
         p.error(f"unknown --log {sorted(unknown)}; valid choices: {', '.join(LOGS)}")
-    if args.nworkers < 1 or args.batch_size < 1 or args.max_epochs < 0 or args.density_warmup < 0:
-        p.error("--nworkers and --batch-size must be >= 1, --max-epochs and --density-warmup >= 0")
+    if args.nworkers < 1 or args.batch_size < 1 or args.max_epochs < 0 or args.density_warmup < 0 \
+            or args.eval_every < 0:
+        p.error("--nworkers and --batch-size must be >= 1, --max-epochs, --density-warmup and "
+                "--eval-every >= 0")
     if args.density_warmup and not (args.compression and args.compressor in DENSITY_COMPRESSORS):
         p.error(f"--density-warmup needs --compression with one of {', '.join(DENSITY_COMPRESSORS)}")
+    if args.powersgd_rank < 1 or args.powersgd_start_iter < 2:
+        p.error("--powersgd-rank must be >= 1 and --powersgd-start-iter >= 2 (torch's hook "
+                "needs one plain step before it starts its error feedback)")
+    if args.bandwidth is not None:
+        from benchmarks.netem import rate_bits_per_s
+        try:
+            rate_bits_per_s(args.bandwidth)
+        except ValueError as exc:
+            p.error(f"--bandwidth: {exc}")
+    baseline = args.compression and args.compressor in BASELINES
+    if baseline:
+        if args.resume:
+            p.error(f"--resume: {args.compressor}'s hook state is not checkpointed; resume works "
+                    "with this library's algorithms")
+        if args.momentum_correction or args.local_clip_norm is not None or args.deepreduce:
+            p.error(f"{args.compressor} is torch's own DDP path: --momentum-correction, "
+                    "--local-clip-norm and --deepreduce belong to this library's algorithms")
+    else:
+        from spardl_grace.registry import resolve_params
+        try:
+            resolve_params(grace_params(args))
+        except ValueError as exc:
+            p.error(str(exc))
     return args
 
 
-def warmup_density(epoch: int, args: argparse.Namespace) -> float:
-    """DGC's schedule: 0.25 ** (epoch + 1) during the warm-up epochs, never below --density."""
-    if epoch < args.density_warmup:
-        return max(args.density, 0.25 ** (epoch + 1))
-    return args.density
+def warmup_density(step: int, steps_per_epoch: int, args: argparse.Namespace) -> float:
+    """DGC's schedule: the densities 0.25, 0.0625, ... above --density, one stage each, in
+    equal stages over the first --density-warmup epochs; then --density."""
+    stages = []
+    while 0.25 ** (len(stages) + 1) > args.density:
+        stages.append(0.25 ** (len(stages) + 1))
+    length = args.density_warmup * steps_per_epoch / max(len(stages), 1)
+    stage = int(step // length) if length > 0 else len(stages)
+    return stages[stage] if stage < len(stages) else args.density
 
 
 def epoch_list(text: str) -> tuple[float, ...]:
@@ -194,9 +258,42 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None
     destroy_and_exit()
 
 
+def launch_on_emulated_network(args: argparse.Namespace) -> None:
+    """--nworkers processes, each in its own network namespace behind a link shaped to
+    --bandwidth, joining over env:// (rank 0's address); rank 0's output is shown."""
+    from benchmarks.netem import EmulatedNetwork, available, run_all
+    why = available()
+    if why:
+        raise SystemExit(f"--bandwidth {args.bandwidth} emulates the network with namespaces, "
+                         f"which is not possible here: {why}. Run without --bandwidth (loopback) "
+                         "or as root with iproute2 installed")
+    out = Path(args.out)
+    config = out / "worker-config.json"
+    options = {k: v for k, v in vars(args).items() if k not in ("config", "bandwidth")}
+    config.write_text(json.dumps(options))
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    worker = [sys.executable, "-m", "experiments.main_trainer", "--config", str(config.resolve())]
+    port = free_port()
+    with EmulatedNetwork(args.nworkers, args.bandwidth) as net:
+        run_all([net.command(r, worker) for r in range(args.nworkers)],
+                [net.rank_env(r, port, env) for r in range(args.nworkers)], root, stream=0)
+
+
 def start(args: argparse.Namespace) -> None:
     """Join the launcher's ranks, or launch --nworkers local ones."""
     kind = launcher()
+    if args.bandwidth is not None:
+        if kind != "none" or args.nworkers < 2:
+            raise SystemExit("--bandwidth launches --nworkers (>= 2) workers itself on an emulated "
+                             f"network; started by {kind} with --nworkers {args.nworkers}, shape "
+                             "your launcher's network instead")
+        launch_on_emulated_network(args)
+        return
+    if kind == "none" and args.nworkers == 1 and args.compression and args.compressor in BASELINES:
+        raise SystemExit(f"{args.compressor} is DistributedDataParallel: use --nworkers >= 2 or "
+                         "a launcher (torchrun)")
     if kind == "none" and args.nworkers > 1:
         import torch.multiprocessing as mp
         mp.spawn(_spawned, args=(args.nworkers, free_port(), args), nprocs=args.nworkers)
@@ -309,36 +406,101 @@ def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor)
             (logits.argmax(1) == labels).float().mean().item())
 
 
+class GraceSync:
+    """This library's path: DistributedOptimizer with a grace communicator, bytes counted by
+    a CountingTransport (the trainer's sync interface, as experiments.baselines.TorchDDPSync)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, counting):
+        self.model = model
+        self.optimizer = optimizer
+        self.counting = counting
+
+    def synchronize(self) -> None:
+        self.optimizer.synchronize()
+
+    def step(self) -> None:
+        with self.optimizer.skip_synchronize():
+            self.optimizer.step()
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.counting.bytes_sent
+
+    @property
+    def last_stats(self) -> dict[str, float]:
+        return self.optimizer.grace.last_stats
+
+    def set_density(self, density: float) -> None:
+        self.optimizer.grace.set_density(density)
+
+    def compression_state(self) -> dict[str, Any]:
+        return self.optimizer.compression_state_dict()
+
+
+def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport):
+    """(sync, grace params or None): the algorithm the arguments ask for, with SGD as the
+    recipe says (without momentum under momentum correction)."""
+    import spardl_grace
+    mc = args.momentum_correction or 0.0
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if mc else 0.9,
+                          weight_decay=WEIGHT_DECAY / (1.0 - mc))
+    if args.compression and args.compressor in BASELINES:
+        from experiments.baselines import TorchDDPSync
+        return TorchDDPSync(model, sgd, args.compressor, args.powersgd_rank,
+                            args.powersgd_start_iter), None
+    params = grace_params(args)
+    counting = spardl_grace.CountingTransport(transport)
+    grc = spardl_grace.grace_from_params(params, transport=counting)
+    optimizer = spardl_grace.DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters())
+    return GraceSync(model, optimizer, counting), params
+
+
+class Clock:
+    """Training seconds: running while training, stopped during evaluation."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._since: float | None = None
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def stop(self) -> float:
+        if self._since is not None:
+            self.total += time.perf_counter() - self._since
+            self._since = None
+        return self.total
+
+
 def train(args: argparse.Namespace, transport) -> dict[str, Any]:
     """Train on this rank; returns the final summary (identical metrics on every rank)."""
     import spardl_grace
+    from benchmarks.netem import interface_tx_bytes
     from experiments.datasets import DATASETS, load_dataset
     from spardl_grace.transport.counting import ring_allreduce_bytes
     from experiments.models import build_model
 
-    counting = spardl_grace.CountingTransport(transport)
     rank, world = transport.rank, transport.size
     tokenizer = "wordpiece" if args.dnn == "bert" else "words"
     images, labels = load_dataset(args.dataset, "train", args.data_dir, tokenizer)
-    test_images, test_labels = load_dataset(args.dataset, "test", args.data_dir, tokenizer)
     images, labels = images[:args.train_samples], labels[:args.train_samples]
-    test_images, test_labels = test_images[:args.test_samples], test_labels[:args.test_samples]
+    test_images = test_labels = None
+    if rank == 0:  # the replicas are identical: rank 0 evaluates for all
+        test_images, test_labels = load_dataset(args.dataset, "test", args.data_dir, tokenizer)
+        test_images, test_labels = test_images[:args.test_samples], test_labels[:args.test_samples]
     _, channels, classes = DATASETS[args.dataset]
 
     with _INIT_LOCK:  # local workers are threads sharing torch's global generator
         torch.manual_seed(args.seed)
         model = build_model(args.dnn, channels, classes)
     spardl_grace.broadcast_parameters(model.state_dict(), 0, transport)
-    params = grace_params(args)
-    grc = spardl_grace.grace_from_params(params, transport=counting)
-    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    optimizer = spardl_grace.DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters())
+    sync, params = build_sync(args, model, transport)
     shard = torch.arange(rank, len(images), world)
     steps_per_epoch = len(shard) // args.batch_size
     if args.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, steps_per_epoch, args, world))
+        sync.optimizer, lambda s: lr_factor(s, steps_per_epoch, args, world))
     n_params = sum(p.numel() for p in model.parameters())
     dense_bytes = ring_allreduce_bytes(4 * n_params, world)  # fp32 gradients, dense
 
@@ -350,67 +512,133 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
             raise SystemExit(f"--resume: {checkpoint} does not exist")
         saved = torch.load(checkpoint, weights_only=True)
         model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        optimizer.load_compression_state_dict(saved["compression"])
+        sync.optimizer.load_state_dict(saved["optimizer"])
+        sync.optimizer.load_compression_state_dict(saved["compression"])
         scheduler.load_state_dict(saved["scheduler"])
         first_epoch = saved["epoch"] + 1
     logger = Logger(args, rank, {**vars(args), "grace": params, "workers": world})
     progress = _progress(rank, args.max_epochs * steps_per_epoch)
+    clock = Clock()
+    run = {"time_to_target_s": None, "steps_to_target": None, "steps": 0, "stopped": False,
+           "last_eval": None,
+           "bytes_at_start": sync.bytes_sent, "wire_at_start": interface_tx_bytes()}
+    window = {"step": first_epoch * steps_per_epoch, "bytes": sync.bytes_sent,
+              "wire": interface_tx_bytes()}
+
+    def evaluation(step: int, epoch: float) -> dict[str, Any]:
+        """Evaluate on rank 0 with the clock stopped; every rank gets the same figures."""
+        figures = torch.zeros(4, dtype=torch.float64)
+        if rank == 0:
+            train_s = clock.stop()
+            loss, acc = evaluate(model, test_images, test_labels)
+            stop = args.time_budget is not None and train_s >= args.time_budget
+            figures = torch.tensor([loss, acc, float(stop), train_s], dtype=torch.float64)
+        else:
+            clock.stop()
+        # Rank 0's clock is the run's: every rank logs and stops on the same figures.
+        figures = transport.broadcast(figures, 0, f"trainer.eval.{step}")
+        test_loss, test_acc, stop, train_s = figures.tolist()
+        if args.target_accuracy is not None and run["time_to_target_s"] is None \
+                and test_acc >= args.target_accuracy:
+            run["time_to_target_s"], run["steps_to_target"] = train_s, step
+        steps = max(step - window["step"], 1)
+        wire = interface_tx_bytes()
+        record = {"kind": "eval", "step": step, "epoch": epoch, "train_s": train_s,
+                  "test_loss": test_loss, "test_accuracy": test_acc,
+                  "eval/loss": test_loss, "eval/top-1": test_acc,
+                  "bytes_sent_per_step": (sync.bytes_sent - window["bytes"]) / steps,
+                  "time_to_target_s": run["time_to_target_s"]}
+        if wire is not None and window["wire"] is not None:
+            record["wire_bytes_per_step"] = (wire - window["wire"]) / steps
+        window.update(step=step, bytes=sync.bytes_sent, wire=wire)
+        logger.log(record, step)
+        run["stopped"], run["last_eval"] = bool(stop), record
+        clock.start()
+        return record
 
     summary: dict[str, Any] = {}
     for epoch in range(first_epoch, args.max_epochs):
-        if args.density_warmup:
-            optimizer.grace.set_density(warmup_density(epoch, args))
         order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(
             args.seed * 1000 + epoch * 100 + rank))]
-        start, sync_s, sent_before = time.perf_counter(), 0.0, counting.bytes_sent
-        losses, correct, seen, samples = [], 0, 0, 0
+        sync_s, sent_before, clock_before = 0.0, sync.bytes_sent, clock.total
+        losses, correct, seen, samples, done = [], 0, 0, 0, 0
         split = dict.fromkeys(TIME_SPLIT, 0.0)
+        clock.start()
         for i in range(steps_per_epoch):
+            step = epoch * steps_per_epoch + i
+            density = None
+            if args.density_warmup:
+                density = warmup_density(step, steps_per_epoch, args)
+                sync.set_density(density)
             batch = order[i * args.batch_size:(i + 1) * args.batch_size]
             x, y = images[batch], labels[batch]
-            optimizer.zero_grad()
-            logits, y = flat_outputs(model(x), y)
+            sync.optimizer.zero_grad()
+            logits, y = flat_outputs(sync.model(x), y)
             loss = torch.nn.functional.cross_entropy(logits, y)
             loss.backward()
             t0 = time.perf_counter()
-            optimizer.synchronize()
+            sync.synchronize()
             sync_s += time.perf_counter() - t0
-            with optimizer.skip_synchronize():
-                optimizer.step()
+            sync.step()
             scheduler.step()
             losses.append(loss.item())
             correct += int((logits.argmax(1) == y).sum())
             seen += y.numel()  # tokens for a language model
             samples += len(x)
-            step = epoch * steps_per_epoch + i
-            stats = optimizer.grace.last_stats
-            times = {k: float(stats.get(k, 0.0)) for k in TIME_SPLIT}
+            done += 1
+            run["steps"] += 1
+            times = {k: float(sync.last_stats.get(k, 0.0)) for k in TIME_SPLIT}
             for k, v in times.items():
                 split[k] += v
-            logger.log({"kind": "step", "step": step, "epoch": epoch, "loss": loss.item(),
-                        "lr": scheduler.get_last_lr()[0], **times}, step)
+            record = {"kind": "step", "step": step, "epoch": epoch, "loss": loss.item(),
+                      "lr": scheduler.get_last_lr()[0], **times}
+            if density is not None:
+                record["density"] = density
+            logger.log(record, step)
             progress.update(1)
-        elapsed = time.perf_counter() - start
-        bytes_per_step = (counting.bytes_sent - sent_before) / max(steps_per_epoch, 1)
-        test_loss, test_acc = evaluate(model, test_images, test_labels)
-        residuals = getattr(optimizer.grace.memory, "residuals", {})
+            if args.eval_every and (step + 1) % args.eval_every == 0 and i + 1 < steps_per_epoch:
+                evaluation(step + 1, epoch + (i + 1) / steps_per_epoch)
+                if run["stopped"]:
+                    break
+        # Stopped by the budget: the evaluation that said so is this epoch's last.
+        last = run["last_eval"] if run["stopped"] else \
+            evaluation(epoch * steps_per_epoch + done, epoch + done / max(steps_per_epoch, 1))
+        clock.stop()
+        elapsed = clock.total - clock_before
+        bytes_per_step = (sync.bytes_sent - sent_before) / max(done, 1)
+        residuals = getattr(getattr(getattr(sync, "optimizer", None), "grace", None), "memory", None)
+        residuals = getattr(residuals, "residuals", {})
         residual_norm = float(torch.sqrt(sum((r.float() ** 2).sum() for r in residuals.values()))) \
             if residuals else 0.0
-        summary = {"kind": "epoch", "step": (epoch + 1) * steps_per_epoch, "epoch": epoch,
+        summary = {"kind": "epoch", "step": epoch * steps_per_epoch + done, "epoch": epoch,
                    "train_loss": sum(losses) / max(len(losses), 1),
-                   "train_accuracy": correct / max(seen, 1), "test_loss": test_loss,
-                   "test_accuracy": test_acc, "samples_per_s": samples * world / elapsed,
+                   "train_accuracy": correct / max(seen, 1), "test_loss": last["test_loss"],
+                   "test_accuracy": last["test_accuracy"],
+                   "samples_per_s": samples * world / max(elapsed, 1e-9),
+                   "throughput": samples * world / max(elapsed, 1e-9),
                    "bytes_sent_per_step": bytes_per_step,
                    "compression_ratio": bytes_per_step / dense_bytes if dense_bytes else 1.0,
-                   "sync_s": sync_s, "compute_s": elapsed - sync_s, **split,
-                   "residual_norm": residual_norm,
-                   "lr": scheduler.get_last_lr()[0]}
+                   "train_s": clock.total, "sync_s": sync_s, "compute_s": elapsed - sync_s,
+                   **split, "residual_norm": residual_norm, "lr": scheduler.get_last_lr()[0],
+                   "time_to_target_s": run["time_to_target_s"]}
         logger.log(summary, summary["step"])
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "compression": optimizer.compression_state_dict(),
-                    "scheduler": scheduler.state_dict(), "epoch": epoch}, checkpoint)
+        state = sync.compression_state()
+        if state is not None:
+            torch.save({"model": model.state_dict(), "optimizer": sync.optimizer.state_dict(),
+                        "compression": state, "scheduler": scheduler.state_dict(),
+                        "epoch": epoch}, checkpoint)
+        if run["stopped"]:
+            break
     progress.close()
+    steps = max(run["steps"], 1)
+    summary = {**summary, "steps_run": run["steps"], "time_to_target_s": run["time_to_target_s"],
+               "steps_to_target": run["steps_to_target"], "stopped_by_budget": run["stopped"],
+               "bytes_sent_per_step_run": (sync.bytes_sent - run["bytes_at_start"]) / steps,
+               "dense_bytes_per_step": dense_bytes, "parameters": n_params}
+    wire = interface_tx_bytes()
+    if wire is not None and run["wire_at_start"] is not None:
+        summary["wire_bytes_per_step_run"] = (wire - run["wire_at_start"]) / steps
+    logger.log({**summary, "kind": "run"}, summary["step"])
     logger.close()
     digest = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.save({"rank": rank, "params": digest, "summary": summary}, out / f"final-rank{rank}.pt")

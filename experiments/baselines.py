@@ -1,0 +1,81 @@
+"""What a PyTorch user runs instead of this library, as it ships: DistributedDataParallel with
+its built-in all-reduce, its fp16 compression hook, or its PowerSGD hook.
+
+    sync = TorchDDPSync(model, optimizer, "torch_powersgd", powersgd_rank=4, start_iter=10)
+    loss_fn(sync.model(x), y).backward()       # DDP all-reduces (or compresses) in backward
+    sync.step()
+
+Nothing here re-implements a hook: torch.distributed.algorithms.ddp_comm_hooks are called as
+they are. DDP gets one bucket for the whole model (bucket_cap_mb=1024): PowerSGD's hook fails
+on gloo with several buckets ("Received data size doesn't match expected size"), and one
+bucket is also what SparDL gets. Bytes are counted from what the hooks all-reduce: the whole
+gradient (fp32, or fp16 with the fp16 hook), or PowerSGD's own count of the entries it sends
+(P and Q factors plus the tensors it leaves uncompressed), each through a ring all-reduce.
+"""
+from __future__ import annotations
+
+import torch
+
+from spardl_grace.transport.counting import ring_allreduce_bytes
+
+BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd")
+
+
+class TorchDDPSync:
+    """DDP with one of torch's own communication choices, behind the trainer's sync interface
+    (model, optimizer, step, bytes_sent, stats, state)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, name: str,
+                 powersgd_rank: int = 1, start_iter: int = 10):
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        if name not in BASELINES:
+            raise ValueError(f"unknown baseline {name!r}; valid choices: {', '.join(BASELINES)}")
+        if not dist.is_initialized():
+            raise RuntimeError(f"{name} is DistributedDataParallel: it needs torch.distributed "
+                               "(self-launched workers, torchrun, or mpirun with env://), not "
+                               "threads or Horovod")
+        self.name = name
+        self.world = dist.get_world_size()
+        self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024)
+        self.optimizer = optimizer
+        self.powersgd = None
+        if name == "torch_fp16":
+            self.model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+        elif name == "torch_powersgd":
+            self.powersgd = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=powersgd_rank,
+                start_powerSGD_iter=start_iter, random_seed=0)
+            self.model.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
+        self.bytes_sent = 0
+        self._counted = 0  # PowerSGD's running count of sent entries, at the last step
+        self.last_stats: dict[str, float] = {}
+
+    def synchronize(self) -> None:
+        """Nothing to do: DDP has all-reduced during backward."""
+
+    def step(self) -> None:
+        self.bytes_sent += self._step_bytes()
+        self.optimizer.step()
+
+    def _step_bytes(self) -> int:
+        if self.name == "torch_fp16":
+            return ring_allreduce_bytes(2 * self.numel, self.world)
+        state = self.powersgd
+        if state is None or state.iter <= state.start_powerSGD_iter:
+            # The hook's iteration counter is advanced by the last bucket of each step; up to
+            # and including start_powerSGD_iter it runs DDP's vanilla all-reduce.
+            return ring_allreduce_bytes(4 * self.numel, self.world)
+        sent = state.total_numel_after_compression - self._counted
+        self._counted = state.total_numel_after_compression
+        return ring_allreduce_bytes(4 * sent, self.world)
+
+    def set_density(self, density: float) -> None:
+        raise ValueError(f"{self.name} has no density to warm up")
+
+    def compression_state(self) -> None:
+        """None: torch's hook state (PowerSGD's error feedback and Q) is not checkpointed, so
+        the trainer refuses --resume for these baselines."""
+        return None
