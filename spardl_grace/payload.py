@@ -47,6 +47,11 @@ class PayloadCodec(ABC):
         idx, vals = self.decode(data, block.numel(), block.dtype, block.device, key)
         return Encoded(data, idx, vals)
 
+    def fixed_size(self, count: int, dtype: torch.dtype) -> int | None:
+        """The exact byte size of every message of `count` entries of `dtype`, when it depends
+        on nothing else (so a receiver can expect it), else None."""
+        return None
+
     def encode_sparse(self, indices: torch.Tensor, values: torch.Tensor, size: int,
                       key: str) -> Encoded:
         """Code a sparse vector of length `size` given by its entries (unique int64 `indices`,
@@ -65,6 +70,9 @@ class IdentityCodec(PayloadCodec):
 
     def encode_bytes(self, block, indices, key):
         return self._pack(block[indices], indices, block.numel())
+
+    def fixed_size(self, count, dtype):
+        return count * (torch.empty((), dtype=dtype).element_size() + 4)
 
     @staticmethod
     def _pack(values: torch.Tensor, indices: torch.Tensor, size: int) -> torch.Tensor:

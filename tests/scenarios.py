@@ -47,6 +47,25 @@ def transport_ops(transport) -> dict:
     return out
 
 
+def known_size_sendrecv(transport) -> dict:
+    """sendrecv with the size announced (one round trip), for every dtype and sizes including 0;
+    then every rank sends one entry fewer than announced, which every receiver must refuse."""
+    from spardl_grace.transport import TransportError
+    r, p = transport.rank, transport.size
+    dst, src = (r + 1) % p, (r - 1) % p
+    out = {}
+    for dtype in DTYPES:
+        tag = str(dtype).split(".")[-1]
+        out[tag] = transport.sendrecv(rank_tensor(r, variable_size(r, dst), dtype), dst, src,
+                                      f"known.{tag}", recv_numel=variable_size(src, r))
+    try:
+        transport.sendrecv(rank_tensor(r, 4), dst, src, "short", recv_numel=5)
+        out["short_refused"] = ""
+    except TransportError as exc:
+        out["short_refused"] = str(exc)
+    return out
+
+
 def expected_transport_ops(rank: int, size: int) -> dict:
     """What transport_ops must return on `rank` of `size`."""
     out = {}

@@ -14,6 +14,7 @@ from sparse_checks import check_consistent_and_conserving, check_exact_dense_ave
 from spardl_grace import grace_from_params, run_local
 from spardl_grace.communicators.schedules import bruck_rounds, srs_schedule
 from spardl_grace.payload import frame_overhead
+from spardl_grace.transport import CountingTransport
 
 
 # ---------------------------------------------------------------- the schedules, symbolically
@@ -190,3 +191,31 @@ def test_bad_teams_and_density_raise():
                                    "communicator": "spardl", **params}, transport=t)
         return True
     assert run_local(6, fn) == [True] * 6
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 8])
+def test_every_message_is_one_round_trip_with_fixed_size_messages(size):
+    """Identity codec, one team: every SRS message and Bruck piece has a size the receiver
+    knows (k_b entries), so a step's round trips equal its messages, P - 1 + ceil(log2 P).
+    With cross-team merging the final pieces vary and with a DeepReduce codec every message
+    does: those sizes travel first."""
+    def fn(t, params):
+        counting = CountingTransport(t)
+        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
+                                 "communicator": "spardl", "compress_ratio": 0.02, **params},
+                                transport=counting)
+        g = torch.Generator().manual_seed(t.rank)
+        grc.step(torch.randn(1000, generator=g), "w")
+        sends = sum(1 for m in counting.messages if m.op == "send")
+        phases = {m.name.split(".")[0] for m in counting.messages if m.op == "send"}
+        return counting.round_trips, sends, phases
+    for trips, sends, _ in run_local(size, fn, {}):
+        assert sends == size - 1 + math.ceil(math.log2(size))
+        assert trips == sends
+    for trips, sends, _ in run_local(size, fn, {"deepreduce": "index", "index": "delta"}):
+        assert trips == 2 * sends
+    if size % 2 == 0:
+        for trips, sends, _ in run_local(size, fn, {"teams": 2}):
+            m = size // 2
+            sag = math.ceil(math.log2(m))
+            assert trips == sends + sag  # the SAG pieces after a cross-team merge vary in size

@@ -44,6 +44,36 @@ def test_real_transport_ops(launch, backend, size):
     check_transport_results(launch(backend, size, "transport_ops"))
 
 
+def check_known_sizes(results):
+    size = len(results)
+    for rank, got in enumerate(results):
+        want = scenarios.expected_transport_ops(rank, size)
+        for dtype in scenarios.DTYPES:
+            tag = str(dtype).split(".")[-1]
+            assert_same(got[tag], want[f"sendrecv.{tag}"], f"rank {rank} {tag}")
+        if size > 1:
+            assert "expected 5 entries from its source, received 4" in got["short_refused"]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_local_sendrecv_with_known_size(size):
+    check_known_sizes(run_local(size, scenarios.known_size_sendrecv))
+
+
+@pytest.mark.parametrize("backend,size", [("gloo", 3), ("mpi", 3), ("horovod-gloo", 2)])
+def test_real_sendrecv_with_known_size_is_one_round_trip_and_refuses_other_sizes(launch, backend, size):
+    check_known_sizes(launch(backend, size, "known_size_sendrecv"))
+
+
+def test_counting_transport_counts_round_trips():
+    def fn(t):
+        counting = CountingTransport(t)
+        counting.sendrecv(torch.ones(3), 0, 0, "unknown")
+        counting.sendrecv(torch.ones(3), 0, 0, "known", recv_numel=3)
+        return counting.round_trips
+    assert run_local(1, fn) == [3]
+
+
 def test_local_detects_mismatched_programs():
     def fn(t):
         if t.rank == 0:

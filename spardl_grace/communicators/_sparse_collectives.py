@@ -69,16 +69,20 @@ def global_kth_magnitude(transport: Transport, values: torch.Tensor, k: int, nam
 
 
 def bruck_allgather(transport: Transport, piece: torch.Tensor, group: list[int], me: int,
-                    name: str, stats: "StepStats", phase: str) -> list[torch.Tensor]:
+                    name: str, stats: "StepStats", phase: str,
+                    piece_size: int | None = None) -> list[torch.Tensor]:
     """Every member of `group` (global ranks, in group order; we are group[me]) ends with every
-    member's uint8 `piece`, returned in group order. ceil(log2 g) messages per member."""
+    member's uint8 `piece`, returned in group order. ceil(log2 g) messages per member; each is
+    one round trip when every piece has the known `piece_size` bytes."""
     held = [piece]
     for s, (distance, count) in enumerate(bruck_rounds(len(group))):
         message = pack_frames(held[:count])
         stats.add_bytes(phase, message.numel() - frame_overhead(count), frame_overhead(count))
+        expected = None if piece_size is None else frame_overhead(count) + count * piece_size
         with stats.timer("comm_s"):
             got = transport.sendrecv(message, dst=group[(me - distance) % len(group)],
-                                     src=group[(me + distance) % len(group)], name=f"{name}.{s}")
+                                     src=group[(me + distance) % len(group)], name=f"{name}.{s}",
+                                     recv_numel=expected)
         held.extend(unpack_frames(got))
     g = len(group)
     return [held[(i - me) % g] for i in range(g)]

@@ -108,8 +108,11 @@ class SparDL(CodedAllreduce):
 
         self._spar_reduce_scatter(blocks, kb, team_ranks, key, stats)
         final = self._select_final(blocks[self.q], name, n, kb, key, stats)
+        # With one team every final piece is exactly k_b entries; with cross-team merging it
+        # is at most k_b, so its size travels with it.
+        piece_size = self.codec.fixed_size(kb, tensor.dtype) if self.teams == 1 else None
         pieces = bruck_allgather(self.transport, final, team_ranks, self.q, f"sag.{key}",
-                                 stats, "sag")
+                                 stats, "sag", piece_size)
 
         result = torch.zeros_like(original)
         selected = []
@@ -142,7 +145,8 @@ class SparDL(CodedAllreduce):
                 stats.add_bytes("srs", enc.data.numel())
                 stats.entries["srs"] += enc.indices.numel()
                 with stats.timer("comm_s"):
-                    got = self.transport.sendrecv(enc.data, dst, src, f"srs.{key}.{i}.{b}")
+                    got = self.transport.sendrecv(enc.data, dst, src, f"srs.{key}.{i}.{b}",
+                                                  recv_numel=self.codec.fixed_size(kb, blocks.dtype))
                 with stats.timer("coding_s"):
                     idx, vals = self.codec.decode(got, block, blocks.dtype, blocks.device,
                                                   f"{key}.srs.{in_block}")
@@ -170,8 +174,9 @@ class SparDL(CodedAllreduce):
         own[piece.indices] -= piece.values
         stats.entries["cross"] += piece.indices.numel()
         group = [t * self.team_size + self.q for t in range(self.teams)]
+        # Every member of the group holds the same h (adapted from the same unions).
         coded = bruck_allgather(self.transport, piece.data, group, self.team,
-                                f"cross.{key}", stats, "cross")
+                                f"cross.{key}", stats, "cross", self.codec.fixed_size(h, own.dtype))
         union = torch.zeros_like(own)
         member = torch.zeros(own.numel(), dtype=torch.bool, device=own.device)
         for t, data in enumerate(coded):

@@ -42,10 +42,15 @@ class Transport(ABC):
     thread_safe: bool = True
 
     @abstractmethod
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:
+    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
+                 recv_numel: int | None = None) -> torch.Tensor:
         """Send the 1-D `tensor` to rank `dst` and return the 1-D tensor rank `src` sent us.
 
-        Every rank calls sendrecv in the same step; its size is not known to the receiver."""
+        Every rank calls sendrecv in the same step. Without `recv_numel` the receiver does not
+        know the size: the transports that need it (torch.distributed, MPI) send it first, a
+        second round trip. With `recv_numel` (the caller knows what src sends, e.g. a fixed
+        number of entries) the message is one round trip, and a message of any other size
+        raises TransportError instead of being truncated or padded."""
 
     @abstractmethod
     def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
@@ -76,6 +81,13 @@ class Transport(ABC):
             raise TransportError(f"alltoall needs one tensor per rank ({self.size}), got {len(tensors)}")
         for t in tensors:
             _check_1d(t, "alltoall")
+
+
+def check_received(received_numel: int, expected: int | None, name: str, rank: int) -> None:
+    """TransportError when a message announced as `expected` entries has another size."""
+    if expected is not None and received_numel != expected:
+        raise TransportError(f"rank {rank}: '{name}' expected {expected} entries from its source, "
+                             f"received {received_numel}: the ranks disagree on the message size")
 
 
 def _check_1d(tensor: torch.Tensor, op: str) -> None:

@@ -51,6 +51,8 @@ class CountingTransport(Transport):
         self.size = inner.size
         self.timeout = inner.timeout
         self.messages: list[Message] = []
+        #: point-to-point round trips: 1 per sendrecv whose size the receiver knew, else 2
+        self.round_trips = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -68,12 +70,16 @@ class CountingTransport(Transport):
 
     def reset(self) -> None:
         self.messages.clear()
+        self.round_trips = 0
 
     def _record(self, op: str, name: str, peer: int, sent: int, received: int) -> None:
         self.messages.append(Message(op, name, peer, sent, received))
 
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:
-        got = self.inner.sendrecv(tensor, dst, src, name)
+    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
+                 recv_numel: int | None = None) -> torch.Tensor:
+        got = self.inner.sendrecv(tensor, dst, src, name, recv_numel)
+        # A size the receiver does not know travels first (torch.distributed, MPI).
+        self.round_trips += 1 if recv_numel is not None else 2
         self._record("send", name, dst, _nbytes(tensor), 0)
         self._record("recv", name, src, 0, _nbytes(got))
         return got

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
-                   as_bytes, from_bytes)
+                   as_bytes, check_received, from_bytes)
 
 
 class HorovodTransport(Transport):
@@ -57,14 +57,17 @@ class HorovodTransport(Transport):
             raise TransportError("this Horovod does not return received splits from alltoall")
         return list(torch.split(received, recv_splits.tolist()))
 
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:
+    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
+                 recv_numel: int | None = None) -> torch.Tensor:
         _check_1d(tensor, "sendrecv")
         self._check_peer(dst, "destination")
         self._check_peer(src, "source")
         empty = tensor.new_empty(0)
         parts = [tensor if j == dst else empty for j in range(self.size)]
-        received = self._alltoall_bytes(parts, name)[src]
-        return from_bytes(received, tensor.dtype).to(tensor.device)
+        # Horovod's alltoall carries the sizes itself: one operation with or without recv_numel.
+        received = from_bytes(self._alltoall_bytes(parts, name)[src], tensor.dtype)
+        check_received(received.numel(), recv_numel, name, self.rank)
+        return received.to(tensor.device)
 
     def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
         _check_1d(tensor, "allgather")

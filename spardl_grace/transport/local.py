@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .base import DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d
+from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
+                   check_received)
 
 _POLL_S = 0.02
 
@@ -70,12 +71,15 @@ class LocalTransport(Transport):
                 "(ranks are running different sequences of operations)")
         return tensor.to(like.device)
 
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:
+    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
+                 recv_numel: int | None = None) -> torch.Tensor:
         _check_1d(tensor, "sendrecv")
         self._check_peer(dst, "destination")
         self._check_peer(src, "source")
         self._send(dst, name, tensor)
-        return self._recv(src, name, tensor)
+        received = self._recv(src, name, tensor)
+        check_received(received.numel(), recv_numel, name, self.rank)
+        return received
 
     def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
         _check_1d(tensor, "allgather")

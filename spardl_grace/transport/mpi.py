@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
-                   as_bytes, from_bytes)
+                   as_bytes, check_received, from_bytes)
 
 _REDUCE_DTYPES = {torch.float32: "FLOAT", torch.float64: "DOUBLE", torch.int32: "INT",
                   torch.int64: "INT64_T", torch.uint8: "UNSIGNED_CHAR"}
@@ -36,10 +36,10 @@ class MPITransport(Transport):
         self.timeout = timeout
         self.thread_safe = MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
-    def _wait(self, requests, name: str) -> None:
+    def _wait(self, requests, name: str, statuses: list | None = None) -> None:
         deadline = time.monotonic() + self.timeout
         polls = 0
-        while not self._MPI.Request.Testall(requests):
+        while not self._MPI.Request.Testall(requests, statuses):
             polls += 1
             if polls > 2000:
                 # Spin briefly for latency, then yield the core: ranks are often oversubscribed.
@@ -50,17 +50,31 @@ class MPITransport(Transport):
                     raise TransportTimeout(f"rank {self.rank}: '{name}' did not complete within "
                                            f"{self.timeout:.1f}s (a peer may have died)")
 
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:
+    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
+                 recv_numel: int | None = None) -> torch.Tensor:
         _check_1d(tensor, "sendrecv")
         self._check_peer(dst, "destination")
         self._check_peer(src, "source")
         out = _np_bytes(tensor)
-        n_out = np.array([out.size], dtype=np.int64)
-        n_in = np.empty(1, dtype=np.int64)
-        self._wait([self.comm.Isend(n_out, dst, tag=1), self.comm.Irecv(n_in, src, tag=1)], name)
-        received = np.empty(int(n_in[0]), dtype=np.uint8)
-        self._wait([self.comm.Isend(out, dst, tag=2), self.comm.Irecv(received, src, tag=2)], name)
-        return self._to_tensor(received, tensor)
+        if recv_numel is None:
+            n_out = np.array([out.size], dtype=np.int64)
+            n_in = np.empty(1, dtype=np.int64)
+            self._wait([self.comm.Isend(n_out, dst, tag=1), self.comm.Irecv(n_in, src, tag=1)], name)
+            nbytes = int(n_in[0])
+        else:
+            nbytes = recv_numel * tensor.element_size()
+        # One byte of room: a longer message then arrives whole enough to be counted and refused
+        # (MPI would otherwise fail it as truncated, or leave a shorter one's tail unwritten).
+        received = np.empty(nbytes + 1, dtype=np.uint8)
+        statuses = [self._MPI.Status(), self._MPI.Status()]
+        self._wait([self.comm.Isend(out, dst, tag=2), self.comm.Irecv(received, src, tag=2)], name,
+                   statuses)
+        got = statuses[1].Get_count(self._MPI.BYTE)
+        if got > nbytes:
+            raise TransportError(f"rank {self.rank}: '{name}' expected {recv_numel} entries from "
+                                 "its source and received more: the ranks disagree on the size")
+        check_received(got // max(tensor.element_size(), 1), recv_numel, name, self.rank)
+        return self._to_tensor(received[:got], tensor)
 
     @staticmethod
     def _to_tensor(data: np.ndarray, like: torch.Tensor) -> torch.Tensor:

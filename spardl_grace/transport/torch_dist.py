@@ -2,7 +2,8 @@
 
 Gloo needs CPU tensors and NCCL CUDA tensors; a tensor on the other kind of device is moved
 once per message and the result is returned on the caller's device. Sizes of variable-size
-messages travel first as one int64, so the receiver never needs to know them in advance.
+messages travel first as one int64, so the receiver never needs to know them in advance;
+a sendrecv whose caller knows the size (recv_numel) skips that round trip.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .base import DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d
+from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
+                   as_bytes, check_received, from_bytes)
 
 
 class TorchDistTransport(Transport):
@@ -54,13 +56,17 @@ class TorchDistTransport(Transport):
     def _on_comm(self, t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().to(self._device)
 
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str) -> torch.Tensor:
+    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
+                 recv_numel: int | None = None) -> torch.Tensor:
         _check_1d(tensor, "sendrecv")
         self._check_peer(dst, "destination")
         self._check_peer(src, "source")
         if dst == self.rank and src == self.rank:
+            check_received(tensor.numel(), recv_numel, name, self.rank)
             return tensor.clone()
         out = self._on_comm(tensor)
+        if recv_numel is not None:
+            return self._sendrecv_known(out, dst, src, name, recv_numel).to(tensor.device)
         n_out = torch.tensor([out.numel()], dtype=torch.int64, device=self._device)
         n_in = torch.empty(1, dtype=torch.int64, device=self._device)
         self._p2p([(dist.isend, n_out, dst), (dist.irecv, n_in, src)], name)
@@ -72,6 +78,21 @@ class TorchDistTransport(Transport):
             ops.append((dist.irecv, received, src))
         self._p2p(ops, name)
         return received.to(tensor.device)
+
+    def _sendrecv_known(self, out: torch.Tensor, dst: int, src: int, name: str,
+                        recv_numel: int) -> torch.Tensor:
+        """One round trip: the message carries its own entry count in an 8-byte header. Gloo
+        accepts a shorter message into a longer buffer without a word, so the header is what
+        turns a disagreement into TransportError; a longer message makes gloo abort the
+        receiving process ("Received data size doesn't match expected size"), and its peers
+        then fail with TransportError."""
+        header = as_bytes(torch.tensor([out.numel()], dtype=torch.int64, device=self._device))
+        message = torch.cat([header, as_bytes(out)])
+        buffer = torch.empty(8 + recv_numel * out.element_size(), dtype=torch.uint8,
+                             device=self._device)
+        self._p2p([(dist.isend, message, dst), (dist.irecv, buffer, src)], name)
+        check_received(int(from_bytes(buffer[:8].cpu(), torch.int64)[0]), recv_numel, name, self.rank)
+        return from_bytes(buffer[8:], out.dtype)
 
     def _p2p(self, ops, name: str) -> None:
         if not ops:
