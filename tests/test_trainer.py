@@ -82,6 +82,7 @@ def test_model_sizes_match_the_papers():
     assert count(build_model("resnet20", 3, 10)) == 272_474  # 0.27M in He et al.
     assert 0.85e6 < count(build_model("resnet56", 3, 10)) < 0.86e6
     assert 25.5e6 < count(build_model("resnet50", 3, 1000)) < 25.6e6
+    assert count(build_model("mnistcnn", 1, 10)) == 1_199_882  # Keras's mnist_cnn.py summary
 
 
 def test_unknown_model_names_the_choices():

@@ -5,7 +5,7 @@ from torch import nn
 
 from .cnn import VGG, AlexNet, CifarResNet, ResNet50
 from .rnn import LSTMClassifier, LSTMLanguageModel, MiniLMClassifier
-from .small import FashionCNN
+from .small import FashionCNN, MnistCNN
 
 MODELS = {
     "resnet20": lambda c, k: CifarResNet(20, c, k),
@@ -16,6 +16,7 @@ MODELS = {
     "vgg19": lambda c, k: VGG(19, c, k),
     "alexnet": lambda c, k: AlexNet(c, k),
     "fashioncnn": lambda c, k: FashionCNN(k) if c == 1 else _channels_error("fashioncnn", c),
+    "mnistcnn": lambda c, k: MnistCNN(c, k),
     # Text models: c is the vocabulary size.
     "lstmimdb": lambda c, k: LSTMClassifier(c, k),
     "lstm": lambda c, k: LSTMLanguageModel(c),
@@ -38,5 +39,5 @@ def build_model(name: str, in_channels: int, classes: int) -> nn.Module:
     return MODELS[name](in_channels, classes)
 
 
-__all__ = ["FashionCNN", "CifarResNet", "ResNet50", "VGG", "AlexNet", "LSTMClassifier",
+__all__ = ["FashionCNN", "MnistCNN", "CifarResNet", "ResNet50", "VGG", "AlexNet", "LSTMClassifier",
            "LSTMLanguageModel", "MiniLMClassifier", "MODELS", "MODEL_TASKS", "build_model"]

@@ -1,0 +1,167 @@
+"""Which of DGC's techniques help SparDL reach dense accuracy: each alone and together, several
+seeds, one table. Every run is the training CLI on local workers (loopback: accuracy per step
+does not depend on the network).
+
+    python -m experiments.ablation --dnn mnistcnn --train-samples 30000 --max-epochs 1
+    python -m experiments.ablation --dnn resnet20 --configs dense,spardl,spardl+warmup \\
+        --train-samples 20000 --max-epochs 3 --out experiments/results/ablation_resnet20
+
+Writes OUT/NAME-seedS/ (each run's logs), OUT/results.json and OUT/summary.md: per config, the
+mean and spread (min..max) over seeds of the final test accuracy, the final training loss, the
+bytes per step at the end (after any warm-up) and over the whole run, against dense's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TECHNIQUES = {
+    "warmup": ["--density-warmup", "0.25"],
+    "mc": ["--momentum-correction", "0.9"],
+    "clip": ["--local-clip-norm", "5"],
+}
+DEFAULT_CONFIGS = "dense,spardl,spardl+warmup,spardl+mc,spardl+clip,spardl+warmup+mc,spardl+warmup+mc+clip"
+
+
+def config_options(config: str) -> list[str]:
+    """'spardl+warmup+mc' -> the CLI options; 'dense' -> none (dense all-reduce)."""
+    algorithm, *techniques = config.split("+")
+    if algorithm == "dense":
+        if techniques:
+            raise ValueError("dense takes no techniques")
+        return []
+    options = ["--compression", "--compressor", algorithm]
+    for t in techniques:
+        if t not in TECHNIQUES:
+            raise ValueError(f"unknown technique {t!r}; valid: {', '.join(TECHNIQUES)}")
+        options += TECHNIQUES[t]
+    return options
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="comma-separated ALGORITHM[+TECHNIQUE...]; techniques: "
+                        + ", ".join(f"{k} ({' '.join(v)})" for k, v in TECHNIQUES.items()))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--dnn", default="mnistcnn")
+    p.add_argument("--dataset", default="fashion-mnist")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--max-epochs", type=int, default=1)
+    p.add_argument("--train-samples", type=int, default=30000)
+    p.add_argument("--test-samples", type=int, default=10000)
+    p.add_argument("--extra", default="", help="more training-CLI options for every run")
+    p.add_argument("--out", default="experiments/results/ablation")
+    p.add_argument("--report", action="store_true",
+                   help="run nothing: tabulate the finished runs in OUT (any configs and seeds)")
+    args = p.parse_args(argv)
+    args.configs = [c for c in args.configs.split(",") if c]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    for c in args.configs:
+        try:
+            config_options(c)
+        except ValueError as exc:
+            p.error(f"--configs {c}: {exc}")
+    return args
+
+
+def run(args: argparse.Namespace, config: str, seed: int) -> dict:
+    out = Path(args.out) / f"{config}-seed{seed}"
+    run_record = out / "run.json"
+    if run_record.exists():  # a finished run is not repeated (resume a long ablation)
+        return json.loads(run_record.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "experiments.main_trainer", "--dnn", args.dnn,
+           "--dataset", args.dataset, "--nworkers", str(args.workers),
+           "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+           "--density", str(args.density), "--max-epochs", str(args.max_epochs),
+           "--train-samples", str(args.train_samples), "--test-samples", str(args.test_samples),
+           "--seed", str(seed), "--out", str(out), *config_options(config), *args.extra.split()]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with open(out / "output.log", "w") as log:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"{config} seed {seed} failed; see {out / 'output.log'}")
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    final = next(r for r in records if r["kind"] == "run")
+    last_eval = [r for r in records if r["kind"] == "eval"][-1]
+    result = {"config": config, "seed": seed, "test_accuracy": final["test_accuracy"],
+              "train_loss": final["train_loss"], "bytes_final": last_eval["bytes_sent_per_step"],
+              "bytes_run": final["bytes_sent_per_step_run"], "dense_bytes": final["dense_bytes_per_step"],
+              "train_s": final["train_s"], "steps": final["steps_run"]}
+    run_record.write_text(json.dumps(result))
+    return result
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
+            "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
+def summarise(results: list[dict], configs: list[str]) -> list[dict]:
+    rows = []
+    for config in configs:
+        runs = [r for r in results if r["config"] == config]
+        rows.append({"config": config, "seeds": len(runs),
+                     **{k: spread([r[k] for r in runs]) for k in
+                        ("test_accuracy", "train_loss", "bytes_final", "bytes_run", "train_s")},
+                     "dense_bytes": runs[0]["dense_bytes"]})
+    return rows
+
+
+def markdown(rows: list[dict], args: argparse.Namespace) -> str:
+    dense = next((r for r in rows if r["config"] == "dense"), None)
+    lines = [f"{args.dnn} on {args.dataset}, {args.workers} workers, density {args.density}, "
+             f"{args.max_epochs} epoch(s) of {args.train_samples} images, batch {args.batch_size}"
+             f"/worker, lr {args.lr} {args.extra}; seeds {', '.join(map(str, args.seeds))}; mean "
+             f"(min..max) over the seeds each config ran; tested on {args.test_samples} images.",
+             "",
+             "| config | test acc | vs dense (points) | train loss | bytes/step at end | vs dense "
+             "| bytes/step whole run | vs dense |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = r["test_accuracy"]
+        gap = f"{100 * (acc['mean'] - dense['test_accuracy']['mean']):+.2f}" if dense else "-"
+        lines.append(
+            f"| {r['config']} ({r['seeds']} seeds) | {acc['mean']:.4f} ({acc['min']:.4f}..{acc['max']:.4f}) | {gap} "
+            f"| {r['train_loss']['mean']:.3f} | {r['bytes_final']['mean']:,.0f} "
+            f"| {r['bytes_final']['mean'] / r['dense_bytes']:.4f} | {r['bytes_run']['mean']:,.0f} "
+            f"| {r['bytes_run']['mean'] / r['dense_bytes']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.report:
+        results = [json.loads(f.read_text()) for f in sorted(Path(args.out).glob("*/run.json"))]
+        configs = list(dict.fromkeys(r["config"] for r in results))
+        args.configs = sorted(configs, key=lambda c: (c != "dense", c.count("+"), c))
+        args.seeds = sorted({r["seed"] for r in results})
+    else:
+        results = []
+        for seed in args.seeds:
+            for config in args.configs:
+                print(f"{config} seed {seed} ...", flush=True)
+                results.append(run(args, config, seed))
+    rows = summarise(results, args.configs)
+    text = markdown(rows, args)
+    (Path(args.out) / "summary.md").write_text(text)
+    (Path(args.out) / "results.json").write_text(json.dumps(
+        {"config": vars(args), "runs": results, "summary": rows}, indent=1))
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
