@@ -572,6 +572,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
                 sync.set_density(density)
             batch = order[i * args.batch_size:(i + 1) * args.batch_size]
             x, y = images[batch], labels[batch]
+            step_start = time.perf_counter()
             sync.optimizer.zero_grad()
             logits, y = flat_outputs(sync.model(x), y)
             loss = torch.nn.functional.cross_entropy(logits, y)
@@ -581,6 +582,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
             sync_s += time.perf_counter() - t0
             sync.step()
             scheduler.step()
+            step_s = time.perf_counter() - step_start
             losses.append(loss.item())
             correct += int((logits.argmax(1) == y).sum())
             seen += y.numel()  # tokens for a language model
@@ -591,7 +593,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
             for k, v in times.items():
                 split[k] += v
             record = {"kind": "step", "step": step, "epoch": epoch, "loss": loss.item(),
-                      "lr": scheduler.get_last_lr()[0], **times}
+                      "lr": scheduler.get_last_lr()[0], "step_s": step_s, **times}
             if density is not None:
                 record["density"] = density
             logger.log(record, step)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The README's main job: sets up everything on a fresh machine (scripts/setup_env.sh), then trains
-# a small CNN on Fashion-MNIST with 4 worker processes, dense vs SparDL, and prints the comparison.
-# Extra arguments go to experiments.compare (e.g. --quick, --density 0.05, --epochs 3).
+# The README's main job: sets up everything on a fresh machine (scripts/setup_env.sh), then 4
+# workers train a CNN on Fashion-MNIST on an emulated 100 Mbit network (network namespaces; as
+# root, else loopback and it says why) with PyTorch's DDP, PyTorch's PowerSGD hook and SparDL, and
+# it prints time to accuracy, bytes and a verdict. About 8 minutes on 2 cores after the set-up.
+# Extra arguments go to experiments.compare (e.g. --quick, --algorithms ddp,spardl,powersgd1).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=$(bash "$ROOT/scripts/setup_env.sh" | tail -n 1)

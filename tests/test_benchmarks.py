@@ -286,3 +286,25 @@ def test_kernel_timings_refuse_cuda_without_a_gpu(capsys):
     with pytest.raises(SystemExit):
         kernels.main(["--device", "cuda"])
     assert "no CUDA device" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ training-step benchmark
+def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
+    """PyTorch's DDP and PowerSGD hook beside SparDL, a few real steps each on an emulated
+    20 Mbit network (loopback where namespaces cannot be made): a median per algorithm, the
+    compute-only time, bytes and their time on the link. No speed is asserted, only what a
+    slow link cannot hide: DDP's step is at least its bytes' time on the link."""
+    from benchmarks import train_step
+    result = train_step.main(["--dnn", "fashioncnn", "--batch-size", "8", "--workers", "2",
+                              "--algorithms", "ddp,powersgd4,spardl", "--bandwidths", "20mbit",
+                              "--steps", "5", "--skip", "2", "--json", str(tmp_path / "r.json")])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["config"]["dnn"] == "fashioncnn" and saved["compute_only"]["step_s"] > 0
+    rows = next(iter(result["networks"].values()))
+    assert list(rows) == ["ddp", "powersgd4", "spardl"]
+    assert rows["spardl"]["bytes_per_step"] < 0.05 * rows["ddp"]["bytes_per_step"]
+    assert rows["powersgd4"]["bytes_per_step"] < rows["ddp"]["bytes_per_step"]
+    if result["emulated"]:
+        assert rows["ddp"]["step_s"] >= rows["ddp"]["wire_s_of_bytes"]
+    with pytest.raises(SystemExit):
+        train_step.parse_args(["--algorithms", "nope"])

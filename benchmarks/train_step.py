@@ -1,0 +1,150 @@
+"""Training steps side by side: what a PyTorch user runs (DDP, its fp16 and PowerSGD hooks)
+against this library's algorithms, on emulated networks, with the compute-only time beside.
+
+    python -m benchmarks.train_step --dnn vgg16 --batch-size 8 --bandwidths 100mbit,1gbit
+    python -m benchmarks.train_step --dnn mnistcnn --batch-size 32 --algorithms ddp,powersgd4,spardl
+
+Every run is the training CLI (experiments.main_trainer) on --workers local workers, each in
+its own network namespace behind a link shaped to the rate (root; loopback otherwise, and the
+table says so). A step is forward, backward, synchronisation and the optimizer step, timed on
+rank 0 (the ranks leave each step together); the median is taken after --skip steps (PowerSGD
+starts compressing at step 2, SparDL runs without density warm-up: steady state). Compute only:
+--workers independent single-worker trainers at once, so they share the cores as the real
+workers do, with nothing to synchronise. Beside each step: the payload bytes per worker and the
+time they take on the link at its rate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.comm import machine, write_json
+from benchmarks.netem import available, rate_bits_per_s, run_all
+from experiments import compare
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dnn", default="vgg16")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--algorithms", default="ddp,fp16,powersgd1,powersgd4,dense,spardl",
+                   help=f"comma-separated of {', '.join(compare.ALGORITHMS)}")
+    p.add_argument("--bandwidths", default="100mbit,1gbit", help="comma-separated link rates")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--skip", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    args.algorithms = [a for a in args.algorithms.split(",") if a]
+    unknown = sorted(set(args.algorithms) - set(compare.ALGORITHMS))
+    if unknown:
+        p.error(f"unknown algorithm(s) {unknown}; valid: {', '.join(compare.ALGORITHMS)}")
+    args.bandwidths = [b for b in args.bandwidths.split(",") if b]
+    for rate in args.bandwidths:
+        try:
+            rate_bits_per_s(rate)
+        except ValueError as exc:
+            p.error(str(exc))
+    if args.steps <= args.skip:
+        p.error("--steps must be larger than --skip")
+    return args
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+def _trainer(args: argparse.Namespace, out: Path, workers: int, options: list[str]) -> list[str]:
+    return [sys.executable, "-m", "experiments.main_trainer", "--dnn", args.dnn,
+            "--dataset", "fashion-mnist", "--nworkers", str(workers),
+            "--batch-size", str(args.batch_size), "--density", str(args.density),
+            "--max-epochs", "1", "--max-steps", str(args.steps), "--test-samples", "100",
+            "--powersgd-start-iter", "2", "--out", str(out), *options]
+
+
+def _log(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def step_times(records: list[dict[str, Any]], skip: int) -> list[float]:
+    return [r["step_s"] for r in records if r["kind"] == "step"][skip:]
+
+
+def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Path) -> dict[str, Any]:
+    cmd = _trainer(args, out, args.workers, compare.algorithm_options(name, warmup=False))
+    if rate:
+        cmd += ["--bandwidth", rate]
+    run_all([cmd], [_env()], ROOT)
+    records = _log(out)
+    times = step_times(records, args.skip)
+    payload = next(r for r in records if r["kind"] == "eval")["bytes_sent_per_step"]
+    wire_s = payload * 8 / rate_bits_per_s(rate) if rate else None
+    return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
+            "bytes_per_step": payload, "wire_s_of_bytes": wire_s}
+
+
+def compute_only(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+    """--workers single-worker trainers at once: the cores shared as in a real run, no
+    synchronisation."""
+    outs = [tmp / f"compute{r}" for r in range(args.workers)]
+    run_all([_trainer(args, out, 1, []) for out in outs], [_env()] * args.workers, ROOT)
+    times = [t for out in outs for t in step_times(_log(out), args.skip)]
+    return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    why = available()
+    networks = args.bandwidths if why is None else [None]
+    result: dict[str, Any] = {"machine": machine(), "config": {k: v for k, v in vars(args).items()
+                                                               if k != "json"},
+                              "emulated": why is None, "why_not_emulated": why, "networks": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        result["compute_only"] = compute_only(args, Path(tmp))
+        for rate in networks:
+            rows = {}
+            for name in args.algorithms:
+                print(f"{rate or 'loopback'}: {name} ...", flush=True)
+                rows[name] = run_algorithm(args, name, rate, Path(tmp) / f"{rate}-{name}")
+            result["networks"][rate or "loopback"] = rows
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    c = result["config"]
+    lines = [f"{c['dnn']}, batch {c['batch_size']}/worker, {c['workers']} workers, median s per "
+             f"training step (steps {c['skip']}..{c['steps'] - 1}); compute only "
+             f"{result['compute_only']['step_s']:.3f} s"]
+    if not result["emulated"]:
+        lines.append(f"loopback only: {result['why_not_emulated']}")
+    for network, rows in result["networks"].items():
+        lines.append(f"\n{network}:\n{'algorithm':<22}{'s/step':>9}{'MB/step':>9}{'wire s':>8}"
+                     f"{'vs DDP':>8}")
+        ddp = rows.get("ddp", {}).get("step_s")
+        for name, r in rows.items():
+            wire = f"{r['wire_s_of_bytes']:.3f}" if r["wire_s_of_bytes"] is not None else "-"
+            vs = f"{r['step_s'] / ddp:.2f}" if ddp else "-"
+            lines.append(f"{compare.LABELS[name]:<22}{r['step_s']:>9.3f}"
+                         f"{r['bytes_per_step'] / 1e6:>9.3f}{wire:>8}{vs:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    result = run(args)
+    print(table(result))
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
