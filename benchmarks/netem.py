@@ -87,10 +87,7 @@ def run_all(cmds: list[list[str]], envs: list[dict[str, str]], cwd: str | Path,
                 break
             time.sleep(0.2)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop(procs)
     if any(p.returncode != 0 for p in procs):
         tails = []
         for i, log in enumerate(logs):
@@ -100,6 +97,21 @@ def run_all(cmds: list[list[str]], envs: list[dict[str, str]], cwd: str | Path,
                 text = log.read().decode(errors="replace")[-3000:]
             tails.append(f"--- process {i} (exit {procs[i].returncode}):\n{text}")
         raise RuntimeError("workers failed\n" + "\n".join(tails))
+
+
+def stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """End the processes still running: SIGTERM first, so that one holding an emulated network
+    removes its namespaces, then SIGKILL after `grace_s` seconds."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _run(*argv: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -147,4 +148,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    # A terminated benchmark still stops its trainers, which remove their namespaces.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

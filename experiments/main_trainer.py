@@ -675,4 +675,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # Terminated, it still removes an emulated network's namespaces (the with-blocks exit).
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()
