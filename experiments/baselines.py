@@ -75,6 +75,10 @@ class TorchDDPSync:
     def set_density(self, density: float) -> None:
         raise ValueError(f"{self.name} has no density to warm up")
 
+    def residual_norm(self) -> float:
+        """0: PowerSGD's error feedback lives inside torch's hook state, not reported here."""
+        return 0.0
+
     def compression_state(self) -> None:
         """None: torch's hook state (PowerSGD's error feedback and Q) is not checkpointed, so
         the trainer refuses --resume for these baselines."""

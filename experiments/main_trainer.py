@@ -21,7 +21,8 @@ rate warmed up linearly from lr/P over --warmup-epochs, then multiplied by 0.1 a
 --lr-decay. With --momentum-correction m (DGC) the momentum moves into the gradient memory and
 SGD runs without its own, with weight decay 1e-4/(1-m) (the same steady-state decay).
 Evaluation (on rank 0, every --eval-every steps and after each epoch) is not counted in the
-training time, which --time-budget bounds and --target-accuracy measures against.
+training time, which --time-budget bounds and --target-accuracy measures against (a resumed
+run's clock starts again from zero).
 Rank 0 writes OUT/log.jsonl (one line per step, evaluation and epoch) and OUT/epochs.csv,
 and, with --log wandb or tensorboard, logs there too. Every rank checkpoints
 OUT/ckpt-rank{r}.pt at the end of each epoch; --resume continues from it.
@@ -436,6 +437,12 @@ class GraceSync:
     def compression_state(self) -> dict[str, Any]:
         return self.optimizer.compression_state_dict()
 
+    def residual_norm(self) -> float:
+        """L2 norm of every residual this rank holds (what error feedback still owes)."""
+        residuals = getattr(self.optimizer.grace.memory, "residuals", {})
+        return float(torch.sqrt(sum((r.float() ** 2).sum() for r in residuals.values()))) \
+            if residuals else 0.0
+
 
 def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport):
     """(sync, grace params or None): the algorithm the arguments ask for, with SGD as the
@@ -608,10 +615,6 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         clock.stop()
         elapsed = clock.total - clock_before
         bytes_per_step = (sync.bytes_sent - sent_before) / max(done, 1)
-        residuals = getattr(getattr(getattr(sync, "optimizer", None), "grace", None), "memory", None)
-        residuals = getattr(residuals, "residuals", {})
-        residual_norm = float(torch.sqrt(sum((r.float() ** 2).sum() for r in residuals.values()))) \
-            if residuals else 0.0
         summary = {"kind": "epoch", "step": epoch * steps_per_epoch + done, "epoch": epoch,
                    "train_loss": sum(losses) / max(len(losses), 1),
                    "train_accuracy": correct / max(seen, 1), "test_loss": last["test_loss"],
@@ -621,7 +624,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
                    "bytes_sent_per_step": bytes_per_step,
                    "compression_ratio": bytes_per_step / dense_bytes if dense_bytes else 1.0,
                    "train_s": clock.total, "sync_s": sync_s, "compute_s": elapsed - sync_s,
-                   **split, "residual_norm": residual_norm, "lr": scheduler.get_last_lr()[0],
+                   **split, "residual_norm": sync.residual_norm(), "lr": scheduler.get_last_lr()[0],
                    "time_to_target_s": run["time_to_target_s"]}
         logger.log(summary, summary["step"])
         state = sync.compression_state()
