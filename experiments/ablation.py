@@ -37,6 +37,8 @@ def config_options(config: str) -> list[str]:
             raise ValueError("dense takes no techniques")
         return []
     options = ["--compression", "--compressor", algorithm]
+    if "warmup" not in techniques:
+        options += ["--density-warmup", "0"]  # the training CLI warms up by default
     for t in techniques:
         if t not in TECHNIQUES:
             raise ValueError(f"unknown technique {t!r}; valid: {', '.join(TECHNIQUES)}")

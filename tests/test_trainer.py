@@ -434,3 +434,13 @@ def test_wandb_and_tensorboard_log_every_key_offline(tmp_path, monkeypatch):
             "compression_ratio", "selection_s", "comm_s", "coding_s", "sync_s",
             "train_s"} <= keys
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_sparse_allreduces_warm_their_density_up_by_default(tmp_path):
+    """The recorded ablation chose DGC's density warm-up over a quarter epoch for the sparse
+    all-reduces; GRACE's compressors, dense and an explicit 0 keep the density fixed."""
+    assert _args(tmp_path, "--compression", "--compressor", "spardl").density_warmup == 0.25
+    assert _args(tmp_path, "--compression", "--compressor", "oktopk").density_warmup == 0.25
+    assert _args(tmp_path, "--compression", "--compressor", "topk").density_warmup == 0
+    assert _args(tmp_path).density_warmup == 0
+    assert _args(tmp_path, "--compression", "--density-warmup", "0").density_warmup == 0
