@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TECHNIQUES = {
     "warmup": ["--density-warmup", "0.25"],
+    "warmup1": ["--density-warmup", "1"],
     "mc": ["--momentum-correction", "0.9"],
     "clip": ["--local-clip-norm", "5"],
 }
@@ -37,7 +38,7 @@ def config_options(config: str) -> list[str]:
             raise ValueError("dense takes no techniques")
         return []
     options = ["--compression", "--compressor", algorithm]
-    if "warmup" not in techniques:
+    if not any(t.startswith("warmup") for t in techniques):
         options += ["--density-warmup", "0"]  # the training CLI warms up by default
     for t in techniques:
         if t not in TECHNIQUES:
