@@ -303,7 +303,8 @@ def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
     rows = next(iter(result["networks"].values()))
     assert list(rows) == ["ddp", "powersgd4", "spardl"]
     assert rows["spardl"]["bytes_per_step"] < 0.05 * rows["ddp"]["bytes_per_step"]
-    assert rows["powersgd4"]["bytes_per_step"] < rows["ddp"]["bytes_per_step"]
+    # after the skipped steps PowerSGD compresses: its dense start is not in the bytes
+    assert rows["powersgd4"]["bytes_per_step"] < 0.5 * rows["ddp"]["bytes_per_step"]
     if result["emulated"]:
         assert rows["ddp"]["step_s"] >= rows["ddp"]["wire_s_of_bytes"]
     with pytest.raises(SystemExit):
