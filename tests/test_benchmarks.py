@@ -292,9 +292,10 @@ def test_kernel_timings_refuse_cuda_without_a_gpu(capsys):
 def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
     """PyTorch's DDP and PowerSGD hook beside SparDL, a few real steps each on an emulated
     20 Mbit network (loopback where namespaces cannot be made): a median per algorithm, the
-    compute-only time, bytes and their time on the link. No speed is asserted, only what a
-    slow link cannot hide: DDP's step is at least its bytes' time on the link."""
+    compute-only time, bytes and their time on the link. No speed is asserted (small
+    messages even beat the shaped rate: tbf's 64 KB burst refills between steps)."""
     from benchmarks import train_step
+    from experiments.models import build_model
     result = train_step.main(["--dnn", "fashioncnn", "--batch-size", "8", "--workers", "2",
                               "--algorithms", "ddp,powersgd4,spardl", "--bandwidths", "20mbit",
                               "--steps", "5", "--skip", "2", "--json", str(tmp_path / "r.json")])
@@ -305,7 +306,9 @@ def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
     assert rows["spardl"]["bytes_per_step"] < 0.05 * rows["ddp"]["bytes_per_step"]
     # after the skipped steps PowerSGD compresses: its dense start is not in the bytes
     assert rows["powersgd4"]["bytes_per_step"] < 0.5 * rows["ddp"]["bytes_per_step"]
+    n = sum(p.numel() for p in build_model("fashioncnn", 1, 10).parameters())
+    assert rows["ddp"]["bytes_per_step"] == 2 * 4 * n * (2 - 1) // 2  # ring all-reduce, fp32
     if result["emulated"]:
-        assert rows["ddp"]["step_s"] >= rows["ddp"]["wire_s_of_bytes"]
+        assert rows["ddp"]["wire_s_of_bytes"] == rows["ddp"]["bytes_per_step"] * 8 / 20e6
     with pytest.raises(SystemExit):
         train_step.parse_args(["--algorithms", "nope"])
