@@ -17,7 +17,6 @@ bytes per worker after the skipped steps and the time they take on the link at i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -29,6 +28,7 @@ from typing import Any
 from benchmarks.comm import machine, write_json
 from benchmarks.netem import available, rate_bits_per_s, run_all
 from experiments import compare
+from experiments.main_trainer import read_log
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,12 +75,9 @@ def _trainer(args: argparse.Namespace, out: Path, workers: int, options: list[st
             "--powersgd-start-iter", "2", "--out", str(out), *options]
 
 
-def _log(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-
-
-def step_times(records: list[dict[str, Any]], skip: int) -> list[float]:
-    return [r["step_s"] for r in records if r["kind"] == "step"][skip:]
+def step_times(out: Path, skip: int) -> list[float]:
+    """Rank 0's step times after the first `skip` steps."""
+    return [r["step_s"] for r in read_log(out)["step"]][skip:]
 
 
 def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Path) -> dict[str, Any]:
@@ -88,10 +85,9 @@ def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Pa
     if rate:
         cmd += ["--bandwidth", rate]
     run_all([cmd], [_env()], ROOT)
-    records = _log(out)
-    times = step_times(records, args.skip)
+    times = step_times(out, args.skip)
     # The last evaluation window lies after the skipped steps (PowerSGD's dense start).
-    payload = [r for r in records if r["kind"] == "eval"][-1]["bytes_sent_per_step"]
+    payload = read_log(out)["eval"][-1]["bytes_sent_per_step"]
     wire_s = payload * 8 / rate_bits_per_s(rate) if rate else None
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
             "bytes_per_step": payload, "wire_s_of_bytes": wire_s}
@@ -102,7 +98,7 @@ def compute_only(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     synchronisation."""
     outs = [tmp / f"compute{r}" for r in range(args.workers)]
     run_all([_trainer(args, out, 1, []) for out in outs], [_env()] * args.workers, ROOT)
-    times = [t for out in outs for t in step_times(_log(out), args.skip)]
+    times = [t for out in outs for t in step_times(out, args.skip)]
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times)}
 
 

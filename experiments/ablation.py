@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from experiments.main_trainer import read_log
+
 ROOT = Path(__file__).resolve().parent.parent
 TECHNIQUES = {
     "warmup": ["--density-warmup", "0.25"],
@@ -95,9 +97,8 @@ def run(args: argparse.Namespace, config: str, seed: int) -> dict:
         done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
         raise SystemExit(f"{config} seed {seed} failed; see {out / 'output.log'}")
-    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    final = next(r for r in records if r["kind"] == "run")
-    last_eval = [r for r in records if r["kind"] == "eval"][-1]
+    log = read_log(out)
+    final, last_eval = log["run"][0], log["eval"][-1]
     result = {"config": config, "seed": seed, "test_accuracy": final["test_accuracy"],
               "train_loss": final["train_loss"], "bytes_final": last_eval["bytes_sent_per_step"],
               "bytes_run": final["bytes_sent_per_step_run"], "dense_bytes": final["dense_bytes_per_step"],

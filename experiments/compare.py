@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from experiments.main_trainer import read_log
+
 ROOT = Path(__file__).resolve().parent.parent
 # The sparse all-reduces run with the training CLI's default DGC density warm-up (chosen by the
 # recorded ablation); a per-step benchmark of their steady state turns it off.
@@ -129,9 +131,8 @@ def run_one(args: argparse.Namespace, name: str, out: Path, rate: str | None) ->
 
 
 def summarise(name: str, out: Path, workers: int) -> dict[str, Any]:
-    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
-    run = next(r for r in records if r["kind"] == "run")
+    log = read_log(out)
+    evals, run = log["eval"], log["run"][0]
     finals = [torch.load(out / f"final-rank{r}.pt", weights_only=True)["params"]
               for r in range(workers)]
     return {"algorithm": name, "label": LABELS[name],

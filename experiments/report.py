@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from experiments.main_trainer import read_log
+
 COLUMNS = (("run", "run", "{}"), ("epochs", "epochs", "{}"),
            ("final test acc", "final_test_accuracy", "{:.4f}"),
            ("best test acc", "best_test_accuracy", "{:.4f}"),
@@ -28,10 +30,8 @@ COLUMNS = (("run", "run", "{}"), ("epochs", "epochs", "{}"),
 
 def read_run(folder: Path) -> dict[str, Any]:
     """A run's step losses and epoch records from its log.jsonl."""
-    steps, epochs = [], []
-    for line in (folder / "log.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        (epochs if record["kind"] == "epoch" else steps).append(record)
+    log = read_log(folder)
+    steps, epochs = log.get("step", []), log.get("epoch", [])
     if not epochs:
         raise ValueError(f"{folder}/log.jsonl has no finished epoch")
     return {"steps": steps, "epochs": epochs}

@@ -259,9 +259,12 @@ def test_training_report_tables_and_plots_runs(tmp_path):
         run = tmp_path / name
         run.mkdir()
         records = [{"kind": "step", "step": i, "epoch": 0, "loss": 2.0 - i / 10} for i in range(5)]
+        # the trainer's evaluation and run records sit between and after the steps
+        records.insert(3, {"kind": "eval", "step": 3, "epoch": 0.6, "test_accuracy": acc})
         records.append({"kind": "epoch", "step": 5, "epoch": 0, "train_loss": 1.5,
                         "test_accuracy": acc, "bytes_sent_per_step": 100.0,
                         "compression_ratio": 0.1, "samples_per_s": 50.0, "sync_s": 1.0})
+        records.append({"kind": "run", "step": 5, "test_accuracy": acc})
         (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     rows = report.report(tmp_path)
     assert [r["run"] for r in rows] == ["dense", "spardl"]
