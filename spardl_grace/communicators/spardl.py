@@ -131,6 +131,7 @@ class SparDL(CodedAllreduce):
     def _spar_reduce_scatter(self, blocks: torch.Tensor, kb: int, team_ranks: list[int],
                              key: str, stats: StepStats) -> None:
         m, block = blocks.shape
+        expected = self.codec.fixed_size(kb, blocks.dtype)  # None: sizes travel first
         for i, rnd in enumerate(srs_schedule(m)):
             dst = team_ranks[(self.q + rnd.distance) % m]
             src = team_ranks[(self.q - rnd.distance) % m]
@@ -146,7 +147,7 @@ class SparDL(CodedAllreduce):
                 stats.entries["srs"] += enc.indices.numel()
                 with stats.timer("comm_s"):
                     got = self.transport.sendrecv(enc.data, dst, src, f"srs.{key}.{i}.{b}",
-                                                  recv_numel=self.codec.fixed_size(kb, blocks.dtype))
+                                                  recv_numel=expected)
                 with stats.timer("coding_s"):
                     idx, vals = self.codec.decode(got, block, blocks.dtype, blocks.device,
                                                   f"{key}.srs.{in_block}")

@@ -14,10 +14,10 @@ are options of this memory:
   clears u wherever the applied result is non-zero (the entries every rank just applied), so
   stale momentum does not push an entry that was already updated. The optimizer then runs
   without its own momentum (DistributedOptimizer refuses SGD with momentum > 0).
-  Conserved: sum_w (R_w + m*u_w + g_w) == P * result + sum_w R'_w, exactly the sparse
-  all-reduce's own invariant with g replaced by the new velocity. Masking removes momentum
-  (a factor on past gradients), never gradient mass: every gradient enters R + u once, and
-  what the velocity held at a masked entry was applied as part of that entry's result.
+  Conserved every step: sum_w (R_w + m*u_w + g_w) == P * result + sum_w R'_w, exactly the
+  sparse all-reduce's own invariant with g replaced by the new velocity. Through the velocity
+  a gradient enters again in later steps (m*g, m^2*g, ...), as momentum does; masking stops
+  that at the entries just applied, and touches nothing the identity counts.
 * local gradient clipping c: each worker clips its gradient to L2 norm c / sqrt(P) before it
   enters the velocity, so the sum over P workers is bounded by about c, as a clip of the
   averaged gradient to c would bound it.
