@@ -37,11 +37,14 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from spardl_grace.checkpoint import check_same_step, load_checkpoint, save_checkpoint
 
 SPARSE_ALLREDUCES = ("spardl", "topka", "topkdsa", "gtopk", "oktopk", "gaussiank", "dense")
 # GRACE compressor -> (memory, communicator), as GRACE's examples pair them.
@@ -125,6 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "density 0.25, 0.0625, ... (x1/4 per stage, stages of equal length) "
                         f"while above --density. Default: {DEFAULT_WARMUP_EPOCHS} for the sparse "
                         "all-reduces (chosen by the recorded ablation), 0 otherwise")
+    p.add_argument("--density-warmup-start", type=float, default=0.25,
+                   help="the warm-up's first density (DGC: 0.25); each later stage has 1/4 of "
+                        "the one before. A warm-up step sends about start/--density times a "
+                        "steady step's bytes, so on a slow link a lower start costs less time")
     p.add_argument("--momentum-correction", type=float, default=None,
                    help="DGC's momentum correction m for a sparse all-reduce (SGD then runs "
                         "without momentum)")
@@ -145,7 +152,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=None, help="stop each epoch after N steps")
     p.add_argument("--log", default="csv", help=f"comma-separated of {', '.join(LOGS)} (csv/jsonl always)")
     p.add_argument("--out", default="experiments/results/run")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt-rank{r}.pt")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/ckpt-rank{r}.pt (or the previous one, kept beside it)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also checkpoint every N steps within an epoch (0: at each epoch's end only)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a silent peer is an error")
     p.add_argument("--bandwidth", default=None,
                    help="run the --nworkers workers on an emulated network whose links are "
@@ -169,9 +179,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown --log {sorted(unknown)}; valid choices: {', '.join(LOGS)}")
     if args.nworkers < 1 or args.batch_size < 1 or args.max_epochs < 0 or args.eval_every < 0 \
-            or (args.density_warmup or 0) < 0:
-        p.error("--nworkers and --batch-size must be >= 1, --max-epochs, --density-warmup and "
-                "--eval-every >= 0")
+            or (args.density_warmup or 0) < 0 or args.checkpoint_every < 0:
+        p.error("--nworkers and --batch-size must be >= 1, --max-epochs, --density-warmup, "
+                "--eval-every and --checkpoint-every >= 0")
+    if not 0 < args.density_warmup_start <= 1:
+        p.error(f"--density-warmup-start must be in (0, 1], got {args.density_warmup_start}")
     if args.density_warmup and not (args.compression and args.compressor in DENSITY_COMPRESSORS):
         p.error(f"--density-warmup needs --compression with one of {', '.join(DENSITY_COMPRESSORS)}")
     if args.density_warmup is None:
@@ -203,12 +215,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def new_run_id(transport) -> str:
+    """A fresh id for this run, drawn on rank 0 and the same on every rank; checkpoints carry it
+    so that a resume never mixes the checkpoints of two runs."""
+    drawn = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8)
+    return bytes(transport.broadcast(drawn, 0, "trainer.run_id").tolist()).hex()
+
+
 def warmup_density(step: int, steps_per_epoch: int, args: argparse.Namespace) -> float:
-    """DGC's schedule: the densities 0.25, 0.0625, ... above --density, one stage each, in
-    equal stages over the first --density-warmup epochs; then --density."""
+    """DGC's schedule: the densities s, s/4, s/16, ... above --density (s =
+    --density-warmup-start, DGC's 0.25), one stage each, in equal stages over the first
+    --density-warmup epochs; then --density."""
     stages = []
-    while 0.25 ** (len(stages) + 1) > args.density:
-        stages.append(0.25 ** (len(stages) + 1))
+    while args.density_warmup_start * 0.25 ** len(stages) > args.density:
+        stages.append(args.density_warmup_start * 0.25 ** len(stages))
     length = args.density_warmup * steps_per_epoch / max(len(stages), 1)
     stage = int(step // length) if length > 0 else len(stages)
     return stages[stage] if stage < len(stages) else args.density
@@ -531,16 +551,32 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
 
     out = Path(args.out)
     checkpoint = out / f"ckpt-rank{rank}.pt"
-    first_epoch = 0
+    first_step = 0
     if args.resume:
-        if not checkpoint.exists():
-            raise SystemExit(f"--resume: {checkpoint} does not exist")
-        saved = torch.load(checkpoint, weights_only=True)
+        try:
+            saved, _ = load_checkpoint(checkpoint)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"--resume: {exc}") from None
+        # A crash during a save can leave ranks on different steps: all refuse together.
+        check_same_step(transport, saved["step"], saved["run_id"])
         model.load_state_dict(saved["model"])
         sync.optimizer.load_state_dict(saved["optimizer"])
         sync.optimizer.load_compression_state_dict(saved["compression"])
         scheduler.load_state_dict(saved["scheduler"])
-        first_epoch = saved["epoch"] + 1
+        torch.set_rng_state(saved["rng"])
+        first_step, run_id = saved["step"], saved["run_id"]
+    else:
+        run_id = new_run_id(transport)
+    first_epoch, first_in_epoch = divmod(first_step, max(steps_per_epoch, 1))
+
+    def save(step: int) -> None:
+        """This rank's whole state after `step` steps (crash-safe; the previous one is kept)."""
+        state = sync.compression_state()
+        if state is not None:
+            save_checkpoint({"model": model.state_dict(), "optimizer": sync.optimizer.state_dict(),
+                             "compression": state, "scheduler": scheduler.state_dict(),
+                             "rng": torch.get_rng_state(), "step": step, "run_id": run_id},
+                            checkpoint)
     logger = Logger(args, rank, {**vars(args), "grace": params, "workers": world})
     progress = _progress(rank, args.max_epochs * steps_per_epoch)
     clock = Clock()
@@ -589,7 +625,8 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         losses, correct, seen, samples, done = [], 0, 0, 0, 0
         split = dict.fromkeys(TIME_SPLIT, 0.0)
         clock.start()
-        for i in range(steps_per_epoch):
+        start = first_in_epoch if epoch == first_epoch else 0
+        for i in range(start, steps_per_epoch):
             step = epoch * steps_per_epoch + i
             density = None
             if args.density_warmup:
@@ -623,13 +660,17 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
                 record["density"] = density
             logger.log(record, step)
             progress.update(1)
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 \
+                    and i + 1 < steps_per_epoch:
+                save(step + 1)
             if args.eval_every and (step + 1) % args.eval_every == 0 and i + 1 < steps_per_epoch:
                 evaluation(step + 1, epoch + (i + 1) / steps_per_epoch)
                 if run["stopped"]:
                     break
         # Stopped by the budget: the evaluation that said so is this epoch's last.
         last = run["last_eval"] if run["stopped"] else \
-            evaluation(epoch * steps_per_epoch + done, epoch + done / max(steps_per_epoch, 1))
+            evaluation(epoch * steps_per_epoch + start + done,
+                       epoch + (start + done) / max(steps_per_epoch, 1))
         clock.stop()
         elapsed = clock.total - clock_before
         bytes_per_step = (sync.bytes_sent - sent_before) / max(done, 1)
@@ -645,11 +686,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
                    **split, "residual_norm": sync.residual_norm(), "lr": scheduler.get_last_lr()[0],
                    "time_to_target_s": run["time_to_target_s"]}
         logger.log(summary, summary["step"])
-        state = sync.compression_state()
-        if state is not None:
-            torch.save({"model": model.state_dict(), "optimizer": sync.optimizer.state_dict(),
-                        "compression": state, "scheduler": scheduler.state_dict(),
-                        "epoch": epoch}, checkpoint)
+        save(epoch * steps_per_epoch + start + done)
         if run["stopped"]:
             break
     progress.close()

@@ -7,6 +7,7 @@ import json
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -227,6 +228,12 @@ def test_log_files_hold_every_step_and_epoch(tmp_path):
     assert len((tmp_path / "epochs.csv").read_text().splitlines()) == 3
 
 
+def _assert_same_final_params(a: Path, b: Path, ranks: int = 2) -> None:
+    for r in range(ranks):
+        assert torch.equal(torch.load(a / f"final-rank{r}.pt", weights_only=True)["params"],
+                           torch.load(b / f"final-rank{r}.pt", weights_only=True)["params"])
+
+
 def test_resume_continues_bit_identically(tmp_path):
     full = _args(tmp_path / "full", "--compression", "--compressor", "oktopk", "--max-epochs", "2")
     run_local(2, lambda t: main_trainer.train(full, t))
@@ -235,10 +242,32 @@ def test_resume_continues_bit_identically(tmp_path):
     rest = _args(tmp_path / "cut", "--compression", "--compressor", "oktopk", "--max-epochs", "2",
                  "--resume")
     run_local(2, lambda t: main_trainer.train(rest, t))
+    _assert_same_final_params(tmp_path / "full", tmp_path / "cut")
+
+
+def test_resume_within_an_epoch_from_the_previous_checkpoint_is_bit_identical(tmp_path):
+    """--checkpoint-every 2 over 6 steps saves after steps 2, 4 and 6; with the newest lost (a
+    crash while writing it), --resume takes the previous one (step 4) and ends where an
+    uninterrupted run ends."""
+    opts = ("--compression", "--compressor", "spardl", "--max-steps", "6")
+    full = _args(tmp_path / "full", *opts)
+    run_local(2, lambda t: main_trainer.train(full, t))
+    cut = _args(tmp_path / "cut", *opts, "--checkpoint-every", "2")
+    run_local(2, lambda t: main_trainer.train(cut, t))
     for r in range(2):
-        a = torch.load(tmp_path / "full" / f"final-rank{r}.pt", weights_only=True)["params"]
-        b = torch.load(tmp_path / "cut" / f"final-rank{r}.pt", weights_only=True)["params"]
-        assert torch.equal(a, b)
+        (tmp_path / "cut" / f"ckpt-rank{r}.pt").unlink()
+        assert torch.load(tmp_path / "cut" / f"ckpt-rank{r}.pt.prev", weights_only=True)["step"] == 4
+    rest = _args(tmp_path / "cut", *opts, "--checkpoint-every", "2", "--resume")
+    run_local(2, lambda t: main_trainer.train(rest, t))
+    _assert_same_final_params(tmp_path / "full", tmp_path / "cut")
+
+
+def test_resume_refuses_when_ranks_loaded_different_steps(tmp_path):
+    opts = ("--compression", "--compressor", "spardl", "--max-steps", "6", "--checkpoint-every", "2")
+    run_local(2, lambda t: main_trainer.train(_args(tmp_path, *opts), t))
+    (tmp_path / "ckpt-rank1.pt").unlink()  # rank 1 falls back to step 4, rank 0 has step 6
+    with pytest.raises(ValueError, match=r"different steps: \[6, 4\]"):
+        run_local(2, lambda t: main_trainer.train(_args(tmp_path, *opts, "--resume"), t))
 
 
 def test_config_file_gives_the_same_options_as_the_command_line(tmp_path):
@@ -293,6 +322,21 @@ def test_density_warmup_follows_dgcs_schedule_within_an_epoch(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["density"] for r in records if r["kind"] == "step"] == \
         [main_trainer.warmup_density(s, 8, args) for s in range(8)]
+
+
+def test_density_warmup_start_sets_the_first_stage(tmp_path, capsys):
+    """A cheaper warm-up for slow links: 0.0625 then 0.015625 over a quarter epoch each."""
+    args = _args(tmp_path, "--compression", "--density", "0.01", "--density-warmup", "0.5",
+                 "--density-warmup-start", "0.0625")
+    assert [main_trainer.warmup_density(s, 8, args) for s in range(6)] == \
+        [0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01]
+    below = _args(tmp_path, "--compression", "--density", "0.05", "--density-warmup", "1",
+                  "--density-warmup-start", "0.04")
+    assert main_trainer.warmup_density(0, 8, below) == 0.05  # nothing above --density: no stage
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            _args(tmp_path, "--density-warmup-start", bad)
+        assert "--density-warmup-start must be in (0, 1]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra", [[], ["--compression", "--compressor", "qsgd"]])
@@ -444,3 +488,18 @@ def test_sparse_allreduces_warm_their_density_up_by_default(tmp_path):
     assert _args(tmp_path, "--compression", "--compressor", "topk").density_warmup == 0
     assert _args(tmp_path).density_warmup == 0
     assert _args(tmp_path, "--compression", "--density-warmup", "0").density_warmup == 0
+
+
+def test_ablation_configs_name_the_training_cli_options():
+    from experiments import ablation
+    assert ablation.config_options("dense") == []
+    assert ablation.config_options("dense+lrwarmup") == ["--warmup-epochs", "0.25"]
+    assert ablation.config_options("spardl+warmup16") == [
+        "--compression", "--compressor", "spardl", "--density-warmup", "0.25",
+        "--density-warmup-start", "0.0625"]
+    assert ablation.config_options("spardl") == [
+        "--compression", "--compressor", "spardl", "--density-warmup", "0"]
+    with pytest.raises(ValueError, match="only the learning-rate techniques: lrwarmup"):
+        ablation.config_options("dense+warmup")
+    with pytest.raises(ValueError, match="unknown technique 'nope'"):
+        ablation.config_options("spardl+nope")

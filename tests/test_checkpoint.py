@@ -1,0 +1,114 @@
+"""Crash-safe checkpoints: atomic writes, the previous checkpoint as a fallback, and ranks that
+loaded different steps refusing together."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spardl_grace.checkpoint import check_same_step, load_checkpoint, previous_path, save_checkpoint
+from spardl_grace.transport import run_local
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_save_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"step": 1}, path)
+    assert not previous_path(path).exists()
+    save_checkpoint({"step": 2}, path)
+    assert load_checkpoint(path) == ({"step": 2}, path)
+    assert torch.load(previous_path(path), weights_only=True) == {"step": 1}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_torn_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"step": 1, "w": torch.arange(1000)}, path)
+    save_checkpoint({"step": 2, "w": torch.arange(1000)}, path)
+    path.write_bytes(path.read_bytes()[:300])  # what a crash mid-write would leave without rename
+    state, source = load_checkpoint(path)
+    assert state["step"] == 1 and source == previous_path(path)
+    path.unlink()
+    assert load_checkpoint(path)[0]["step"] == 1
+
+
+def test_no_loadable_checkpoint_is_a_clear_error(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_checkpoint(path)
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="no checkpoint could be loaded"):
+        load_checkpoint(path)
+
+
+def test_a_failed_save_leaves_the_last_checkpoint_intact(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"step": 1}, path)
+
+    def crash(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint({"step": 2}, path)
+    monkeypatch.undo()
+    assert load_checkpoint(path) == ({"step": 1}, path)
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from spardl_grace.checkpoint import save_checkpoint
+    for version in range(10**6):
+        save_checkpoint({"version": version, "data": torch.full((2_000_000,), version)}, sys.argv[1])
+""")
+
+
+def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path):
+    """A real crash: SIGKILL a process that saves 8 MB checkpoints back to back, at random
+    moments; what loads afterwards is always one whole version."""
+    rng = random.Random(0)
+    path = tmp_path / "ckpt.pt"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for trial in range(3):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], env=env)
+        deadline = time.monotonic() + 60
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.05, 0.5))
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        state, _ = load_checkpoint(path)
+        assert torch.equal(state["data"], torch.full((2_000_000,), state["version"]))
+
+
+def _agree(transport, steps, runs):
+    try:
+        check_same_step(transport, steps[transport.rank], runs[transport.rank])
+        return "ok"
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_ranks_that_loaded_the_same_step_go_on():
+    assert run_local(3, _agree, [7, 7, 7], ["run-a"] * 3) == ["ok"] * 3
+
+
+def test_ranks_that_loaded_different_steps_all_refuse():
+    messages = run_local(3, _agree, [7, 5, 7], ["run-a"] * 3)
+    assert len(set(messages)) == 1
+    assert "different steps: [7, 5, 7]" in messages[0]
+
+
+def test_ranks_with_another_runs_checkpoint_all_refuse():
+    messages = run_local(3, _agree, [7, 7, 7], ["run-a", "run-a", "run-b"])
+    assert len(set(messages)) == 1
+    assert "different runs: ranks [2]" in messages[0]
