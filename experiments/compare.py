@@ -39,11 +39,16 @@ ALGORITHMS: dict[str, list[str]] = {
        for name in ("spardl", "topka", "topkdsa", "gtopk", "oktopk")},
     "spardl_d2": ["--compression", "--compressor", "spardl", "--teams", "2"],
     "spardl_nowarmup": ["--compression", "--compressor", "spardl", *STEADY],
+    # DGC's own warm-up (from density 0.25), which the training CLI's default (from 0.0625) replaced
+    "spardl_dgcwarmup": ["--compression", "--compressor", "spardl", "--density-warmup-start", "0.25"],
+    "spardl_002": ["--compression", "--compressor", "spardl", "--density", "0.02"],  # overrides --density
 }
-SPARSE_ALGORITHMS = ("spardl", "spardl_d2", "topka", "topkdsa", "gtopk", "oktopk")
+SPARSE_ALGORITHMS = ("spardl", "spardl_d2", "spardl_dgcwarmup", "spardl_002", "topka", "topkdsa",
+                     "gtopk", "oktopk")
 LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD hook rank 1",
           "powersgd4": "PowerSGD hook rank 4", "dense": "dense (this library)",
           "spardl": "SparDL", "spardl_d2": "SparDL d=2", "spardl_nowarmup": "SparDL, no warm-up",
+          "spardl_dgcwarmup": "SparDL, DGC's warm-up", "spardl_002": "SparDL at density 0.02",
           "topka": "TopkA", "topkdsa": "TopkDSA", "gtopk": "gTop-k", "oktopk": "Ok-Topk"}
 
 

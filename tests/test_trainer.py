@@ -312,10 +312,11 @@ def test_density_warmup_follows_dgcs_schedule_within_an_epoch(tmp_path):
     """0.75 epochs of warm-up at density 0.01: 0.25, 0.0625, 0.015625 for a quarter epoch
     each, then 0.01; the bytes sent follow."""
     args = _args(tmp_path, "--compression", "--compressor", "spardl", "--max-steps", "8",
-                 "--density", "0.01", "--density-warmup", "0.75")
+                 "--density", "0.01", "--density-warmup", "0.75", "--density-warmup-start", "0.25")
     assert [main_trainer.warmup_density(s, 8, args) for s in range(9)] == \
         [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01, 0.01]
-    across = _args(tmp_path, "--density", "0.01", "--compression", "--density-warmup", "3")
+    across = _args(tmp_path, "--density", "0.01", "--compression", "--density-warmup", "3",
+                   "--density-warmup-start", "0.25")
     assert [main_trainer.warmup_density(e * 10, 10, across) for e in range(4)] == \
         [0.25, 0.0625, 0.015625, 0.01]
     run_local(2, lambda t: main_trainer.train(args, t))
@@ -325,9 +326,10 @@ def test_density_warmup_follows_dgcs_schedule_within_an_epoch(tmp_path):
 
 
 def test_density_warmup_start_sets_the_first_stage(tmp_path, capsys):
-    """A cheaper warm-up for slow links: 0.0625 then 0.015625 over a quarter epoch each."""
-    args = _args(tmp_path, "--compression", "--density", "0.01", "--density-warmup", "0.5",
-                 "--density-warmup-start", "0.0625")
+    """The default warm-up, cheaper on slow links than DGC's: 0.0625 then 0.015625 over a
+    quarter epoch each."""
+    args = _args(tmp_path, "--compression", "--density", "0.01", "--density-warmup", "0.5")
+    assert args.density_warmup_start == main_trainer.DEFAULT_WARMUP_START == 0.0625
     assert [main_trainer.warmup_density(s, 8, args) for s in range(6)] == \
         [0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01]
     below = _args(tmp_path, "--compression", "--density", "0.05", "--density-warmup", "1",
@@ -494,6 +496,7 @@ def test_ablation_configs_name_the_training_cli_options():
     from experiments import ablation
     assert ablation.config_options("dense") == []
     assert ablation.config_options("dense+lrwarmup") == ["--warmup-epochs", "0.25"]
+    assert ablation.config_options("spardl+warmup")[-2:] == ["--density-warmup-start", "0.25"]
     assert ablation.config_options("spardl+warmup16") == [
         "--compression", "--compressor", "spardl", "--density-warmup", "0.25",
         "--density-warmup-start", "0.0625"]
