@@ -117,7 +117,15 @@ class Memory(ABC):
 
 
 class Communicator(ABC):
-    """Runs one synchronisation step: compensate, compress, exchange, decompress, average."""
+    """Runs one synchronisation step: compensate, compress, exchange, decompress, average.
+
+    reuse_results: False (the default) makes every step's result a new tensor, which the caller
+    may keep. DistributedOptimizer and the DDP hook set it to True on the communicator they are
+    given, because they copy each result into the gradients before the next step: then a sparse
+    all-reduce may return the same buffer for a name each step (valid until that name's next
+    step), which saves a gradient-sized allocation per step."""
+
+    reuse_results = False
 
     def __init__(self, compressor: Compressor, memory: Memory, transport: Transport):
         self.compressor = compressor

@@ -71,11 +71,15 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     reordered = order != sorted(order)
     flat = torch.cat([ddp_parts[j] for j in order]) if reordered else buffer
     result = state.sync.synchronize(flat, canonical)
+    # Into DDP's own bucket buffer, as torch's hooks do: the communicator may reuse `result`'s
+    # storage at the next step (reuse_results), so DDP must not keep views of it.
     if reordered:
-        parts = dict(zip(order, torch.split(result, canonical.numels)))
-        result = torch.cat([parts[j] for j in range(len(params))])
+        for j, part in zip(order, torch.split(result, canonical.numels)):
+            ddp_parts[j].copy_(part)
+    else:
+        buffer.copy_(result)
     if bucket.is_last():
         state.sync.end_step()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(result.to(buffer.dtype))
+    future.set_result(buffer)
     return future

@@ -107,6 +107,7 @@ class GradientSync:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{what} must be an int >= 0, got {value!r}")
         self.grace = grace
+        grace.reuse_results = True  # each result is copied into the gradients before the next step
         self.dense = Dense(NoneCompressor(), NoneMemory(), grace.transport)
         self.dense_warmup_steps = dense_warmup_steps
         self.min_numel = min_numel

@@ -12,6 +12,8 @@ from sparse_checks import (check_consistent_and_conserving, check_exact_dense_av
                            sent_bytes)
 from spardl_grace import grace_from_params, run_local
 from spardl_grace.communicators._sparse_collectives import StepStats, global_kth_magnitude
+from spardl_grace.compressors._sparse import Scratch, topk_abs
+from spardl_grace.sync import Bucket, GradientSync
 from spardl_grace.payload import frame_overhead
 from spardl_grace.transport import CountingTransport
 
@@ -297,3 +299,70 @@ def test_peers_on_real_transports(launch, backend, size):
         kept = sum(r["residual"] for r in records)
         assert torch.allclose(compensated, size * first["result"] + kept, atol=1e-4), first["case"]
         assert torch.allclose(first["result"], local[i]["result"], atol=1e-6), first["case"]
+
+
+# ------------------------------------------------------------- reused selection buffers
+class _FreshScratch(Scratch):
+    """Every get() a new tensor: selection as it ran before its buffers were reused."""
+
+    def get(self, purpose, numel, dtype, device):
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("comm", ["spardl", "topka", "topkdsa", "gtopk"])
+def test_reused_selection_buffers_leave_results_bit_identical(comm):
+    """Large enough for the prefiltered top-k (whose magnitudes and mask go to the scratch
+    buffers), with sizes that change between names: the same bits as fresh buffers."""
+    def fn(t, fresh):
+        grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
+                                 **scenarios.peer_params(comm, 0.01)}, transport=t)
+        if fresh:
+            grc.scratch = _FreshScratch()
+        g = torch.Generator().manual_seed(7 + t.rank)
+        return [grc.step(torch.randn(n, generator=g), name)
+                for _ in range(3) for name, n in (("a", 300_001), ("b", 150_000))]
+    reused = run_local(3, fn, False)
+    fresh = run_local(3, fn, True)
+    for r in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(reused[r], fresh[r]))
+
+
+def test_topk_abs_with_scratch_is_topk_abs():
+    scratch, g = Scratch(), torch.Generator().manual_seed(0)
+    for n, k in ((100_000, 1000), (70_000, 9000), (200_000, 10), (1000, 5)):
+        x = torch.randn(n, generator=g)
+        assert torch.equal(topk_abs(x, k, scratch), topk_abs(x, k))
+        assert torch.equal(torch.sort(topk_abs(x, k)).values,
+                           torch.sort(torch.topk(x.abs(), k).indices).values)
+
+
+def test_results_are_new_tensors_unless_the_caller_consumes_them():
+    """GRACE's loop may keep a result; DistributedOptimizer and the DDP hook copy it first,
+    so GradientSync lets the communicator return the same buffer each step."""
+    def fn(t):
+        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
+                                 "communicator": "spardl", "compress_ratio": 0.1}, transport=t)
+        g = torch.Generator().manual_seed(t.rank)
+        first = grc.step(torch.randn(1000, generator=g), "w")
+        kept = first.clone()
+        second = grc.step(torch.randn(1000, generator=g), "w")
+        assert torch.equal(first, kept) and first.data_ptr() != second.data_ptr()
+        GradientSync(grc)
+        third = grc.step(torch.randn(1000, generator=g), "w")
+        fourth = grc.step(torch.randn(1000, generator=g), "w")
+        return third.data_ptr() == fourth.data_ptr()
+    assert run_local(2, fn) == [True, True]
+
+
+@pytest.mark.parametrize("comm", ["spardl", "topka", "topkdsa", "gtopk", "oktopk"])
+def test_reused_result_buffers_leave_results_bit_identical(comm):
+    def fn(t, reuse):
+        sync = GradientSync(grace_from_params({"memory": "global_residual", "compressor": "topk",
+                                               **scenarios.peer_params(comm, 0.05)}, transport=t))
+        sync.grace.reuse_results = reuse
+        bucket = Bucket(("a", "b"), (700, 301))
+        g = torch.Generator().manual_seed(3 + t.rank)
+        return [sync.synchronize(torch.randn(1001, generator=g), bucket).clone() for _ in range(4)]
+    reused, fresh = run_local(3, fn, True), run_local(3, fn, False)
+    for r in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(reused[r], fresh[r]))

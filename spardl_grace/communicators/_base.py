@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..api import Compressor, Memory, SparseAllreduce
+from ..compressors._sparse import Scratch
 from ..payload import IdentityCodec, PayloadCodec
 from ..transport import Transport
 
@@ -11,13 +14,23 @@ from ..transport import Transport
 class CodedAllreduce(SparseAllreduce):
     """A sparse all-reduce whose sparse messages go through a PayloadCodec (identity unless
     given; DeepReduce codecs plug in here), with a per-name step counter that keys shared
-    randomness and periodic work, and is part of the checkpointed state."""
+    randomness and periodic work, and is part of the checkpointed state. Selection's temporaries
+    live in `scratch`, reused from step to step."""
 
     def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
                  density: float, codec: PayloadCodec | None = None):
         super().__init__(compressor, memory, transport, density)
         self.codec = codec or IdentityCodec()
         self._steps: dict[str, int] = {}
+        self.scratch = Scratch()  # per-step temporaries of selection, reused
+
+    def zeros_for_result(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Zeros shaped like the flat `like`, for this step's result of `name`: a new tensor, or,
+        with `reuse_results`, the buffer of the previous step's result of `name`, zeroed again
+        (cheaper than a fresh gradient-sized allocation, whose first touch costs page faults)."""
+        if not self.reuse_results:
+            return torch.zeros_like(like)
+        return self.scratch.get(f"result.{name}", like.numel(), like.dtype, like.device).zero_()
 
     def next_step(self, name: str) -> int:
         """This call's step number for `name` (0 first), advancing the counter."""

@@ -84,7 +84,7 @@ class GTopk(CodedAllreduce):
         key = f"{name}.{step}"
         k = count_for_ratio(n, self.density)
         with stats.timer("selection_s"):
-            chosen = torch.sort(topk_abs(tensor, k)).values
+            chosen = torch.sort(topk_abs(tensor, k, self.scratch)).values
         with stats.timer("coding_s"):
             own = self.codec.encode(tensor, chosen, f"{key}.select.{me}")
         own_idx, own_vals = _sorted(own.indices, own.values)
@@ -101,7 +101,7 @@ class GTopk(CodedAllreduce):
             final = self._final_coding(current, n, key, stats)
         final_idx, final_vals, credit = self._deliver(final, own_idx, own_vals, n, key, stats)
 
-        result = torch.zeros_like(tensor)
+        result = self.zeros_for_result(name, tensor)
         result[final_idx] = final_vals / self.transport.size
         residual = tensor.clone()
         if self.residual_rule == "exact":

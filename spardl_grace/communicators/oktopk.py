@@ -176,7 +176,7 @@ class OkTopk(CodedAllreduce):
         stats.entries["gather"] = enc.indices.numel()
         pieces = allgather_bytes(self.transport, enc.data, f"gather.{key}", stats, "gather")
 
-        result = torch.zeros_like(tensor)
+        result = self.zeros_for_result(name, tensor)
         delivered = torch.zeros(n, dtype=torch.bool, device=tensor.device)
         for j, data in enumerate(pieces):
             with stats.timer("coding_s"):

@@ -114,7 +114,7 @@ class SparDL(CodedAllreduce):
         pieces = bruck_allgather(self.transport, final, team_ranks, self.q, f"sag.{key}",
                                  stats, "sag", piece_size)
 
-        result = torch.zeros_like(original)
+        result = self.zeros_for_result(name, original)
         selected = []
         for j, data in enumerate(pieces):
             with stats.timer("coding_s"):
@@ -139,7 +139,7 @@ class SparDL(CodedAllreduce):
                 out_block = (self.q + rnd.distance + b) % m
                 in_block = (self.q + b) % m
                 with stats.timer("selection_s"):
-                    chosen = topk_abs(blocks[out_block], kb)
+                    chosen = topk_abs(blocks[out_block], kb, self.scratch)
                 with stats.timer("coding_s"):
                     enc = self.codec.encode(blocks[out_block], chosen, f"{key}.srs.{out_block}")
                 blocks[out_block][enc.indices] -= enc.values
@@ -160,7 +160,7 @@ class SparDL(CodedAllreduce):
         final_key = f"{key}.final.{self.q}"
         if self.teams == 1:
             with stats.timer("selection_s"):
-                chosen = topk_abs(own, kb)
+                chosen = topk_abs(own, kb, self.scratch)
             with stats.timer("coding_s"):
                 enc = self.codec.encode(own, chosen, final_key)
             own[enc.indices] -= enc.values
@@ -169,7 +169,7 @@ class SparDL(CodedAllreduce):
 
         h = self.h_for(name, numel)
         with stats.timer("selection_s"):
-            chosen = topk_abs(own, h)
+            chosen = topk_abs(own, h, self.scratch)
         with stats.timer("coding_s"):
             piece = self.codec.encode(own, chosen, f"{key}.cross.{self.q}.{self.team}")
         own[piece.indices] -= piece.values

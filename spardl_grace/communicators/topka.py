@@ -32,14 +32,14 @@ class TopkA(CodedAllreduce):
 
     def select(self, tensor: torch.Tensor, k: int) -> torch.Tensor:
         """int64 positions this worker sends: the exact top-k of |tensor|."""
-        return topk_abs(tensor, k)
+        return topk_abs(tensor, k, self.scratch)
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         stats = StepStats(PHASES)
         step = self.next_step(name)
         n = tensor.numel()
         residual = tensor.clone()
-        result = torch.zeros_like(tensor)
+        result = self.zeros_for_result(name, tensor)
         if n == 0:
             self.last_stats = stats.as_dict()
             return result, residual

@@ -46,13 +46,13 @@ class TopkDSA(CodedAllreduce):
         key = f"{name}.{step}"
 
         with stats.timer("selection_s"):
-            chosen = torch.sort(topk_abs(tensor, count_for_ratio(n, self.density))).values
+            chosen = torch.sort(topk_abs(tensor, count_for_ratio(n, self.density), self.scratch)).values
         sent, reduced, member = split_and_reduce(self.transport, self.codec, padded, chosen,
                                                  [j * region for j in range(size + 1)], key, stats)
         residual = padded - sent
         own = self._encode_region(reduced, member, f"{key}.gather.{me}", stats, residual, me * region)
         pieces = allgather_bytes(self.transport, own, f"gather.{key}", stats, "gather")
-        result = torch.zeros_like(padded)
+        result = self.zeros_for_result(name, padded)
         for j, data in enumerate(pieces):
             with stats.timer("coding_s"):
                 result[j * region:(j + 1) * region] = self._decode_region(
