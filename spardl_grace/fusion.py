@@ -19,12 +19,21 @@ def flatten_grads(params: Iterable[torch.nn.Parameter],
 
 
 def assign_grads(params: Iterable[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    """Set each parameter's .grad to its slice of `flat` (the inverse of flatten_grads)."""
+    """Set each parameter's .grad to its slice of `flat` (the inverse of flatten_grads): copied
+    into the existing .grad where it is a plain contiguous tensor of the parameter's shape,
+    dtype and device (no allocation, as Horovod does), a new tensor otherwise. Never a view of
+    `flat`."""
     params = list(params)
     total = sum(p.numel() for p in params)
     if flat.numel() != total:
         raise ValueError(f"flat buffer has {flat.numel()} entries, the parameters {total}")
     offset = 0
     for p in params:
-        p.grad = flat[offset: offset + p.numel()].view_as(p).to(p.dtype).clone()
+        part = flat[offset: offset + p.numel()].view_as(p)
+        grad = p.grad
+        if grad is not None and grad.layout == torch.strided and grad.is_contiguous() \
+                and grad.shape == p.shape and grad.dtype == p.dtype and grad.device == p.device:
+            grad.copy_(part)
+        else:
+            p.grad = part.to(p.dtype).clone()
         offset += p.numel()

@@ -55,6 +55,15 @@ def communication_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """torch.isfinite(tensor).all(), in one pass and without a tensor-sized mask: the minimum
+    and the maximum are both finite exactly when every entry is (NaN propagates to both)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 class _Outcome:
     keep = True
 
@@ -129,7 +138,7 @@ class GradientSync:
         with per_parameter_stores(self.grace.memory, bucket) as outcome:
             result = self.grace.step(flat, bucket.key)
             # The result is identical on every rank, so all ranks decide alike, unasked.
-            outcome.keep = bool(torch.isfinite(result).all())
+            outcome.keep = all_finite(result)
         return result
 
     def end_step(self) -> None:
