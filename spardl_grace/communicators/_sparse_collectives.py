@@ -101,7 +101,7 @@ def dense_average(transport: Transport, tensor: torch.Tensor, name: str, stats: 
                   phase: str = "dense") -> torch.Tensor:
     """The all-reduced average of `tensor` (counted as a ring all-reduce)."""
     stats.entries[phase] = tensor.numel()
-    return counted_allreduce(transport, tensor, name, stats, phase) / transport.size
+    return counted_allreduce(transport, tensor, name, stats, phase).div_(transport.size)
 
 
 def allgather_bytes(transport: Transport, data: torch.Tensor, name: str, stats: "StepStats",

@@ -19,9 +19,20 @@ class Dense(SparseAllreduce):
     def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
                  density: float = 1.0):
         super().__init__(compressor, memory, transport, density)
+        self._zeros: dict[str, torch.Tensor] = {}
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         stats = StepStats(("dense",))
         result = dense_average(self.transport, tensor, f"dense.{name}", stats)
         self.last_stats = stats.as_dict()
-        return result, torch.zeros_like(tensor)
+        return result, self._zero_residual(name, tensor)
+
+    def _zero_residual(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """One zero tensor per name, returned every step: memories replace their entries and
+        never write into them (Memory.stores), so it stays zero, and no step pays for a new
+        gradient-sized allocation."""
+        zeros = self._zeros.get(name)
+        if zeros is None or zeros.shape != like.shape or zeros.dtype != like.dtype \
+                or zeros.device != like.device:
+            zeros = self._zeros[name] = torch.zeros_like(like)
+        return zeros

@@ -62,7 +62,8 @@ class Transport(ABC):
 
     @abstractmethod
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """Return the element-wise sum over ranks, bit-identical on every rank. Input unchanged."""
+        """Return the element-wise sum over ranks, bit-identical on every rank, as a new tensor
+        (the caller may write into it). Input unchanged."""
 
     @abstractmethod
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
