@@ -6,7 +6,8 @@ does not depend on the network).
     python -m experiments.ablation --dnn resnet20 --configs dense,spardl,spardl+warmup \\
         --train-samples 20000 --max-epochs 3 --out experiments/results/ablation_resnet20
 
-Writes OUT/NAME-seedS/ (each run's logs), OUT/results.json and OUT/summary.md: per config, the
+--parallel N runs N runs at a time (on a GPU, `--extra "--device cuda"`; each run is --workers
+processes). Writes OUT/NAME-seedS/ (each run's logs), OUT/results.json and OUT/summary.md: per config, the
 mean and spread (min..max) over seeds of the final test accuracy, the final training loss, the
 bytes per step over the whole run, against dense's. (After a warm-up, SparDL's bytes per step are
 those of the same density without one: its messages have fixed sizes.)
@@ -19,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from experiments.main_trainer import read_log
@@ -69,10 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-samples", type=int, default=30000)
     p.add_argument("--test-samples", type=int, default=10000)
     p.add_argument("--extra", default="", help="more training-CLI options for every run")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="runs at a time (each is --workers processes; one GPU can hold several)")
     p.add_argument("--out", default="experiments/results/ablation")
     p.add_argument("--report", action="store_true",
                    help="run nothing: tabulate the finished runs in OUT (any configs and seeds)")
     args = p.parse_args(argv)
+    if args.parallel < 1:
+        p.error("--parallel must be >= 1")
     args.configs = [c for c in args.configs.split(",") if c]
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     for c in args.configs:
@@ -88,6 +94,7 @@ def run(args: argparse.Namespace, config: str, seed: int) -> dict:
     run_record = out / "run.json"
     if run_record.exists():  # a finished run is not repeated (resume a long ablation)
         return json.loads(run_record.read_text())
+    print(f"{config} seed {seed} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "experiments.main_trainer", "--dnn", args.dnn,
            "--dataset", args.dataset, "--nworkers", str(args.workers),
@@ -155,11 +162,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.configs = sorted(configs, key=lambda c: (c != "dense", c.count("+"), c))
         args.seeds = sorted({r["seed"] for r in results})
     else:
-        results = []
-        for seed in args.seeds:
-            for config in args.configs:
-                print(f"{config} seed {seed} ...", flush=True)
-                results.append(run(args, config, seed))
+        jobs = [(config, seed) for seed in args.seeds for config in args.configs]
+        with ThreadPoolExecutor(args.parallel) as pool:  # each run is its own processes
+            results = list(pool.map(lambda job: run(args, *job), jobs))
     rows = summarise(results, args.configs)
     text = markdown(rows, args)
     (Path(args.out) / "summary.md").write_text(text)

@@ -9,7 +9,9 @@
 
 Started as a plain command it launches --nworkers local worker processes itself (gloo); with
 --bandwidth RATE each of them runs in its own network namespace behind a link shaped to RATE
-(benchmarks.netem, root only). Under a launcher it joins that launcher's ranks. Without
+(benchmarks.netem, root only). Under a launcher it joins that launcher's ranks. --device cuda
+(the default where a GPU is visible) trains on rank r's GPU: NCCL where every rank has its own,
+gloo where ranks share one. Without
 --compression every algorithm runs dense. --compressor takes a sparse all-reduce (spardl,
 topka, topkdsa, gtopk, oktopk, gaussiank, dense), a GRACE compressor (topk, randomk, qsgd, ...),
 which then runs with GRACE's memory and communicator for it, or one of PyTorch's own choices
@@ -71,6 +73,7 @@ DEFAULT_WARMUP_EPOCHS = 0.25
 DEFAULT_WARMUP_START = 0.0625
 DENSITY_COMPRESSORS = (*(c for c in SPARSE_ALLREDUCES if c != "dense"), "topk", "randomk", "dgc")
 LOGS = ("csv", "wandb", "tensorboard")
+DEVICES = ("auto", "cpu", "cuda")
 # The sparse all-reduces' own split of a sync (seconds); GRACE's loop reports none of them.
 TIME_SPLIT = ("selection_s", "comm_s", "coding_s")
 _INIT_LOCK = threading.Lock()
@@ -152,6 +155,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
     p.add_argument("--value", default="polyfit")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where the model trains: cuda (rank r on GPU r mod the GPUs here), cpu, "
+                        "or auto (cuda when a GPU is visible)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-samples", type=int, default=None, help="use only the first N training samples")
     p.add_argument("--test-samples", type=int, default=None)
@@ -181,6 +187,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if task != DATASET_TASKS[args.dataset]:
         fits = sorted(d for d, t in DATASET_TASKS.items() if t == task)
         p.error(f"--dnn {args.dnn} reads {task} data; data sets for it: {', '.join(fits)}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible here; use --device cpu")
     unknown = set(filter(None, args.log.split(","))) - set(LOGS)
     if unknown:
         p.error(f"unknown --log {sorted(unknown)}; valid choices: {', '.join(LOGS)}")
@@ -284,10 +294,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def dist_backend(device: str, world: int) -> str:
+    """NCCL where every rank has a GPU of its own; gloo otherwise (CPU training, or several
+    ranks sharing a GPU, which NCCL refuses). Gloo moves CUDA tensors through the host."""
+    return "nccl" if device == "cuda" and torch.cuda.device_count() >= world else "gloo"
+
+
+def train_device(device: str, rank: int) -> torch.device:
+    """This rank's device: GPU (local rank mod the GPUs here) under --device cuda."""
+    if device != "cuda":
+        return torch.device("cpu")
+    local = next((int(os.environ[v]) for v in ("LOCAL_RANK", "HOROVOD_LOCAL_RANK",
+                                                "OMPI_COMM_WORLD_LOCAL_RANK") if v in os.environ), rank)
+    index = local % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=args.timeout))
+    train_device(args.device, rank)
+    dist.init_process_group(dist_backend(args.device, world), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=args.timeout))
     from spardl_grace.transport.torch_dist import TorchDistTransport, destroy_and_exit
     train(args, TorchDistTransport(timeout=args.timeout))
     destroy_and_exit()
@@ -342,7 +370,8 @@ def start(args: argparse.Namespace) -> None:
         hvd.init()
     elif kind == "torchrun":
         import torch.distributed as dist
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+        train_device(args.device, int(os.environ["RANK"]))
+        dist.init_process_group(dist_backend(args.device, int(os.environ["WORLD_SIZE"])),
                                 timeout=timedelta(seconds=args.timeout))
     train(args, default_transport(timeout=args.timeout))
     if kind == "torchrun":
@@ -440,13 +469,14 @@ def flat_outputs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
 
 
 def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    """(mean loss, accuracy) over a test set; per token for a language model."""
+    """(mean loss, accuracy) over a test set, on the model's device; per token for a language
+    model."""
+    device = next(model.parameters()).device
     model.eval()
     with torch.no_grad():
-        logits = torch.cat([model(images[torch.arange(i, min(i + 500, len(images)))])
-                            for i in range(0, len(images), 500)])
+        logits = torch.cat([model(images[i:i + 500].to(device)) for i in range(0, len(images), 500)])
     model.train()
-    logits, labels = flat_outputs(logits, labels)
+    logits, labels = flat_outputs(logits, labels.to(device))
     return (torch.nn.functional.cross_entropy(logits, labels).item(),
             (logits.argmax(1) == labels).float().mean().item())
 
@@ -541,9 +571,10 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         test_images, test_labels = test_images[:args.test_samples], test_labels[:args.test_samples]
     _, channels, classes = DATASETS[args.dataset]
 
+    device = train_device(args.device, rank)
     with _INIT_LOCK:  # local workers are threads sharing torch's global generator
         torch.manual_seed(args.seed)
-        model = build_model(args.dnn, channels, classes)
+        model = build_model(args.dnn, channels, classes).to(device)
     spardl_grace.broadcast_parameters(model.state_dict(), 0, transport)
     sync, params = build_sync(args, model, transport)
     shard = torch.arange(rank, len(images), world)
@@ -570,6 +601,8 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         sync.optimizer.load_compression_state_dict(saved["compression"])
         scheduler.load_state_dict(saved["scheduler"])
         torch.set_rng_state(saved["rng"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(saved["cuda_rng"], device)
         first_step, run_id = saved["step"], saved["run_id"]
     else:
         run_id = new_run_id(transport)
@@ -581,7 +614,9 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         if state is not None:
             save_checkpoint({"model": model.state_dict(), "optimizer": sync.optimizer.state_dict(),
                              "compression": state, "scheduler": scheduler.state_dict(),
-                             "rng": torch.get_rng_state(), "step": step, "run_id": run_id},
+                             "rng": torch.get_rng_state(), "step": step, "run_id": run_id,
+                             **({"cuda_rng": torch.cuda.get_rng_state(device)}
+                                if device.type == "cuda" else {})},
                             checkpoint)
     logger = Logger(args, rank, {**vars(args), "grace": params, "workers": world})
     progress = _progress(rank, args.max_epochs * steps_per_epoch)
@@ -639,7 +674,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
                 density = warmup_density(step, steps_per_epoch, args)
                 sync.set_density(density)
             batch = order[i * args.batch_size:(i + 1) * args.batch_size]
-            x, y = images[batch], labels[batch]
+            x, y = images[batch].to(device), labels[batch].to(device)
             step_start = time.perf_counter()
             sync.optimizer.zero_grad()
             logits, y = flat_outputs(sync.model(x), y)
@@ -706,7 +741,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         summary["wire_bytes_per_step_run"] = (wire - run["wire_at_start"]) / steps
     logger.log({**summary, "kind": "run"}, summary["step"])
     logger.close()
-    digest = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    digest = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     torch.save({"rank": rank, "params": digest, "summary": summary}, out / f"final-rank{rank}.pt")
     return summary
 

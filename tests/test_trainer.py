@@ -78,6 +78,26 @@ def test_every_model_has_data_sets_and_mismatches_are_refused(tmp_path, capsys):
     assert "--dnn lstm reads lm data; data sets for it: wikitext" in capsys.readouterr().err
 
 
+def test_device_choice_and_its_transport(monkeypatch, capsys):
+    """--device auto resolves to what is visible; cuda without a GPU is refused by name. The
+    backend choice is checked with device_count mocked (no GPU here; tests/test_cuda.py runs
+    the CLI on a real one)."""
+    auto = main_trainer.parse_args([]).device
+    assert auto == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main_trainer.parse_args(["--device", "cuda"])
+        assert "--device cuda: no CUDA device is visible here; use --device cpu" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main_trainer.parse_args(["--device", "tpu"])
+    assert "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')" in capsys.readouterr().err
+    assert main_trainer.dist_backend("cpu", 4) == "gloo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert main_trainer.dist_backend("cuda", 4) == "nccl"
+    assert main_trainer.dist_backend("cuda", 8) == "gloo"  # ranks would share GPUs: NCCL refuses
+    assert main_trainer.train_device("cpu", 3) == torch.device("cpu")
+
+
 def test_model_sizes_match_the_papers():
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(build_model("resnet20", 3, 10)) == 272_474  # 0.27M in He et al.
@@ -506,3 +526,18 @@ def test_ablation_configs_name_the_training_cli_options():
         ablation.config_options("dense+warmup")
     with pytest.raises(ValueError, match="unknown technique 'nope'"):
         ablation.config_options("spardl+nope")
+
+
+def test_ablation_runs_in_parallel_give_what_sequential_runs_give(tmp_path):
+    """--parallel only overlaps whole runs (each its own processes): the same seeds give the
+    same results as one run at a time, and every config lands in the summary."""
+    from experiments import ablation
+    common = ["--dnn", "fashioncnn", "--configs", "dense,spardl+warmup16", "--seeds", "0",
+              "--workers", "2", "--train-samples", "512", "--test-samples", "200",
+              "--extra", "--max-steps 3 --device cpu"]
+    together = ablation.main([*common, "--parallel", "2", "--out", str(tmp_path / "together")])
+    alone = ablation.main([*common, "--out", str(tmp_path / "alone")])
+    assert [r["config"] for r in together] == ["dense", "spardl+warmup16"]
+    for a, b in zip(together, alone):
+        assert a["test_accuracy"] == b["test_accuracy"] and a["train_loss"] == b["train_loss"]
+    assert together[1]["bytes_run"]["mean"] < together[0]["bytes_run"]["mean"]
