@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The CUDA paths on a machine with one GPU, tested and timed in one go; results land in
+# RESULTS (default benchmarks/results/gpu), logs beside them. Needs python3 with torch built for
+# CUDA and the Fashion-MNIST IDX files (FASHION_MNIST, default /usr/share/datasets/fashion-mnist).
+#   1. tests/test_cuda.py: every sparse all-reduce on CUDA tensors over the local transport and
+#      over gloo (4 processes sharing the GPU) against the CPU bit for bit, the codecs, the
+#      DistributedOptimizer and the training CLI on the GPU
+#   2. kernels of 25M entries (exact top-k, threshold selection, scatter, codecs) against one
+#      read of the gradient at the copy bandwidth measured there, densities 0.01 and 0.001
+#   3. DeepReduce codec throughput (Bloom, polyfit, ...) on VGG-16's real gradient
+#   4. every algorithm's step on VGG-16's gradient on the GPU, 4 gloo processes (loopback)
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+R=${RESULTS:-$ROOT/benchmarks/results/gpu}
+DATA=${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}
+mkdir -p "$R"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ "$DATA" != /usr/share/datasets/fashion-mnist ]; then
+    mkdir -p /usr/share/datasets/fashion-mnist && cp "$DATA"/*.gz /usr/share/datasets/fashion-mnist/
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/device.txt"
+"$PY" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' | tee -a "$R/device.txt"
+status=0
+"$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$R/test_cuda.log" | tail -n 15 || status=1
+for d in 0.01 0.001; do
+    "$PY" -m benchmarks.kernels --device cuda --numel 25000000 --density "$d" --repeat 20 \
+        --json "$R/kernels_cuda_25m_d$d.json" || status=1
+done
+"$PY" -m benchmarks.codec_speed --device cuda --model vgg16 --repeat 5 \
+    --json "$R/codec_speed_vgg16_cuda.json" || status=1
+"$PY" -m benchmarks.comm --device cuda --gradient vgg16 --workers 4 --density 0.01 --repeat 10 \
+    --json "$R/comm_vgg16_cuda_loopback.json" 2>&1 | tail -n 12 || status=1
+exit $status

@@ -1,0 +1,158 @@
+"""The CUDA tensor paths, run for real on a GPU: every sparse all-reduce, the DeepReduce codecs,
+DistributedOptimizer and the training CLI with their tensors on the GPU.
+
+Skipped where no GPU is visible (CI has none). On a machine with one GPU the ranks share it:
+threads over the local transport, or real processes over gloo (which moves CUDA tensors
+through the host); NCCL needs a GPU per rank and is not exercised here. What must hold is what
+holds on the CPU, checked against the CPU: the same bits on every rank, conservation of gradient
+mass, and results identical to the CPU's on the same inputs over the same transport (every sum
+is of the same operands in the same order). The gradients are float64: among 10^5 float32
+normals some magnitudes tie, and torch.topk breaks ties differently on the two devices.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import scenarios
+from conftest import ROOT, _env
+from deepreduce_compat import INDEX_CODECS, VALUE_CODECS, codec_from_params
+from spardl_grace import DistributedOptimizer, grace_from_params, run_local
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda", 0)  # where the tests put tensors (one GPU)
+ALGORITHMS = [("spardl", {}), ("spardl", {"teams": 2}), ("spardl", {"teams": 4}),
+              *((peer, {}) for peer in scenarios.PEERS)]
+
+
+def steps_on(device: torch.device, transport, params: dict, n: int, steps: int = 4) -> list[dict]:
+    """scenarios.sparse_steps with the gradients on `device`; results returned on the CPU."""
+    grc = grace_from_params({"memory": "global_residual", "compressor": "topk", **params},
+                            transport=transport)
+    g = torch.Generator().manual_seed(11 + transport.rank)
+    records = []
+    for _ in range(steps):
+        grad = torch.randn(n, generator=g, dtype=torch.float64).to(device)
+        old = grc.memory.residuals.get("w", torch.zeros_like(grad)).clone()
+        result = grc.step(grad, "w")
+        assert result.device == grad.device and grc.memory.residuals["w"].device == grad.device
+        records.append({"compensated": (grad + old).cpu(), "result": result.cpu(),
+                        "residual": grc.memory.residuals["w"].cpu()})
+    return records
+
+
+def check_identical_and_conserving(per_rank: list[list[dict]]) -> None:
+    size = len(per_rank)
+    for step, first in enumerate(per_rank[0]):
+        for rank in range(1, size):
+            assert torch.equal(per_rank[rank][step]["result"], first["result"]), (rank, step)
+        compensated = sum(r[step]["compensated"] for r in per_rank)
+        kept = sum(r[step]["residual"] for r in per_rank)
+        torch.testing.assert_close(compensated, size * first["result"] + kept, atol=1e-4, rtol=0)
+
+
+def params_of(comm: str, extra: dict, rho: float) -> dict:
+    return {**scenarios.peer_params(comm, rho), **extra}
+
+
+@pytest.mark.parametrize("comm,extra", ALGORITHMS, ids=lambda a: str(a))
+@pytest.mark.parametrize("rho", [0.01, 0.2, 1.0])
+def test_sparse_allreduces_on_cuda_equal_the_cpu_bit_for_bit(comm, extra, rho):
+    n = 100_003
+    on_gpu = run_local(4, lambda t: steps_on(CUDA, t, params_of(comm, extra, rho), n))
+    on_cpu = run_local(4, lambda t: steps_on(torch.device("cpu"), t, params_of(comm, extra, rho), n))
+    check_identical_and_conserving(on_gpu)
+    for rank in range(4):
+        for gpu, cpu in zip(on_gpu[rank], on_cpu[rank]):
+            assert torch.equal(gpu["result"], cpu["result"])
+            assert torch.equal(gpu["residual"], cpu["residual"])
+
+
+def gloo_cuda_steps(transport) -> dict:
+    """Entry point for tests/mp_worker.py: every algorithm on gradients on this rank's GPU, then
+    on the CPU (gloo's own all-reduce sums in its own order: compare over the same transport)."""
+    return {f"{where}.{comm}{json.dumps(extra)}":
+            steps_on(torch.device(where), transport, params_of(comm, extra, 0.05), 20_011)
+            for where in ("cuda", "cpu") for comm, extra in ALGORITHMS}
+
+
+def test_gloo_processes_sharing_one_gpu_equal_the_cpu(launch):
+    per_rank = launch("gloo", 4, "test_cuda.gloo_cuda_steps")
+    for comm, extra in ALGORITHMS:
+        key = f"{comm}{json.dumps(extra)}"
+        got = [r[f"cuda.{key}"] for r in per_rank]
+        check_identical_and_conserving(got)
+        for rank in range(4):
+            for gpu, cpu in zip(got[rank], per_rank[rank][f"cpu.{key}"]):
+                assert torch.equal(gpu["result"], cpu["result"]), (key, rank)
+                assert torch.equal(gpu["residual"], cpu["residual"]), (key, rank)
+
+
+@pytest.mark.parametrize("index", sorted(INDEX_CODECS))
+@pytest.mark.parametrize("value", sorted(VALUE_CODECS))
+def test_codecs_on_cuda_decode_what_they_report_and_index_bytes_equal_the_cpu(index, value):
+    block = torch.randn(50_000, generator=torch.Generator().manual_seed(5))
+    positions = torch.sort(torch.topk(block.abs(), 500).indices).values
+    codec = codec_from_params({"deepreduce": "both", "index": index, "value": value,
+                               "policy": "conflict_sets", "fpr": 0.05})
+    enc = codec.encode(block.to(CUDA), positions.to(CUDA), "step.1")
+    got_positions, got_values = codec.decode(enc.data, block.numel(), block.dtype, CUDA, "step.1")
+    assert got_positions.device == got_values.device == CUDA
+    assert torch.equal(got_positions, enc.indices) and torch.equal(got_values, enc.values)
+    if value in ("none", "deflate"):  # lossless values: the positions' own values come back
+        assert torch.equal(got_values.cpu(), block[got_positions.cpu()])
+    on_cpu = codec_from_params({"deepreduce": "index", "index": index, "policy": "conflict_sets",
+                                "fpr": 0.05})
+    assert torch.equal(on_cpu.encode(block, positions, "step.1").data.cpu(),
+                       on_cpu.encode(block.to(CUDA), positions.to(CUDA), "step.1").data.cpu())
+
+
+def train_linear(transport, device: torch.device, comm: str) -> list[torch.Tensor]:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    init = torch.Generator().manual_seed(3)  # the ranks are threads: no shared global generator
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=init) * 0.2)
+    model.to(device)
+    grc = grace_from_params({**params_of(comm, {}, 0.1), "memory": "global_residual",
+                             "compressor": "topk"}, transport=transport)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grc,
+                               named_parameters=model.named_parameters())
+    g = torch.Generator().manual_seed(transport.rank)
+    for _ in range(5):
+        x, y = torch.randn(16, 64, generator=g).to(device), torch.randint(10, (16,), generator=g).to(device)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("comm", ["spardl", "topka", "dense"])
+def test_distributed_optimizer_on_cuda_keeps_every_rank_identical(comm):
+    on_gpu = run_local(3, lambda t: train_linear(t, CUDA, comm))
+    for rank in range(1, 3):
+        assert all(torch.equal(a, b) for a, b in zip(on_gpu[rank], on_gpu[0]))
+    if comm == "dense":
+        # cuBLAS and the CPU's BLAS sum matrix products in different orders: close, not equal
+        # (with selection, such last-bit differences may pick other entries, so only dense).
+        on_cpu = run_local(3, lambda t: train_linear(t, torch.device("cpu"), comm))
+        for a, b in zip(on_gpu[0], on_cpu[0]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("compressor", ["spardl", "torch_powersgd"])
+def test_training_cli_on_cuda(tmp_path, compressor):
+    """Two workers share the GPU over gloo; both end with the same parameters on the GPU."""
+    cmd = [sys.executable, "-m", "experiments.main_trainer", "--dnn", "fashioncnn", "--nworkers", "2",
+           "--device", "cuda", "--compression", "--compressor", compressor, "--train-samples", "2048",
+           "--test-samples", "500", "--max-steps", "12", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in range(2)]
+    assert torch.equal(final[0]["params"], final[1]["params"])
+    assert torch.isfinite(final[0]["params"]).all()
+    assert 0.1 < final[0]["summary"]["test_accuracy"] <= 1.0
