@@ -188,3 +188,28 @@ def peer_steps(transport, peers=PEERS, cases=PEER_CASES, steps: int = 4) -> list
             for rec in sparse_steps(transport, peer_params(comm, rho), n, steps):
                 records.append({"case": (comm, n, rho), **rec})
     return records
+
+
+def stalled_peer(transport) -> dict:
+    """The ranks swap pids; then the last rank stops itself (SIGSTOP: alive, silent) and rank 0
+    waits for it in a sendrecv. Rank 0 reports what it raised and after how long, then kills
+    the stopped rank so that the launcher ends."""
+    import os
+    import signal
+    import time
+    from spardl_grace.transport import TransportError
+    r, last = transport.rank, transport.size - 1
+    pids = transport.allgather(torch.tensor([os.getpid()], dtype=torch.int64), "pids")
+    if r == last:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if r != 0:
+        return {}
+    start = time.monotonic()
+    try:
+        transport.sendrecv(torch.ones(4), last, last, "to.the.stalled.rank")
+        raised = "nothing"
+    except TransportError as exc:
+        raised = type(exc).__name__
+    seconds = time.monotonic() - start
+    os.kill(int(pids[last][0]), signal.SIGKILL)
+    return {"raised": raised, "seconds": torch.tensor(seconds), "timeout": torch.tensor(transport.timeout)}

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import subprocess
 import time
 
 import pytest
 import torch
 
 import scenarios
+from conftest import ROOT, WORKER, _env, launcher_command, require
 from spardl_grace.transport import (CountingTransport, TransportError, TransportTimeout,
                                     default_transport, run_local)
 
@@ -169,3 +173,24 @@ def test_gloo_dead_peer_raises_instead_of_hanging(tmp_path):
             p.kill()
     assert kind in ("TransportError", "TransportTimeout"), kind
     assert seconds < 30
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "horovod-gloo"])
+def test_a_stalled_rank_makes_the_others_time_out_on_every_backend(backend, tmp_path):
+    """A rank stopped with SIGSTOP (alive, its sockets open, never answering): rank 0 raises
+    TransportTimeout or TransportError within the timeout + 10 s, under the real launcher."""
+    require(backend)
+    worker_backend = "horovod" if backend.startswith("horovod") else backend
+    cmd = launcher_command(backend, 2, [str(WORKER), worker_backend, "stalled_peer", str(tmp_path)])
+    env = {**_env(), "SPARDL_TEST_TIMEOUT": "5"}
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, start_new_session=True) as launcher:
+        try:
+            launcher.wait(timeout=180)  # rank 0 kills the stopped rank; the launcher then ends
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+    got = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    assert got["raised"] in ("TransportTimeout", "TransportError"), got["raised"]
+    assert float(got["timeout"]) == 5.0
+    assert float(got["seconds"]) < 5.0 + 10.0
