@@ -213,3 +213,24 @@ def stalled_peer(transport) -> dict:
     seconds = time.monotonic() - start
     os.kill(int(pids[last][0]), signal.SIGKILL)
     return {"raised": raised, "seconds": torch.tensor(seconds), "timeout": torch.tensor(transport.timeout)}
+
+
+def killed_peer(transport) -> dict:
+    """The last rank dies without a word (os._exit); rank 0 then waits for it in a sendrecv
+    and reports what it raised and after how long (if its launcher lets it live that long)."""
+    import os
+    import time
+    from spardl_grace.transport import TransportError
+    r, last = transport.rank, transport.size - 1
+    transport.barrier("before.the.death")
+    if r == last:
+        os._exit(0)
+    if r != 0:
+        return {}
+    start = time.monotonic()
+    try:
+        transport.sendrecv(torch.ones(4), last, last, "to.the.dead.rank")
+        raised = "nothing"
+    except TransportError as exc:
+        raised = type(exc).__name__
+    return {"raised": raised, "seconds": torch.tensor(time.monotonic() - start)}

@@ -194,3 +194,27 @@ def test_a_stalled_rank_makes_the_others_time_out_on_every_backend(backend, tmp_
     assert got["raised"] in ("TransportTimeout", "TransportError"), got["raised"]
     assert float(got["timeout"]) == 5.0
     assert float(got["seconds"]) < 5.0 + 10.0
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "horovod-gloo"])
+def test_a_killed_rank_ends_the_run_on_every_backend(backend, tmp_path):
+    """A rank that dies mid-run never leaves the others hanging: either rank 0 raises a
+    TransportError/TransportTimeout within the timeout + 10 s, or the launcher (mpirun and
+    horovodrun end the whole job when a rank exits early) stops it; the launcher always ends,
+    with a failure."""
+    require(backend)
+    worker_backend = "horovod" if backend.startswith("horovod") else backend
+    cmd = launcher_command(backend, 2, [str(WORKER), worker_backend, "killed_peer", str(tmp_path)])
+    env = {**_env(), "SPARDL_TEST_TIMEOUT": "5"}
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, start_new_session=True) as launcher:
+        try:
+            code = launcher.wait(timeout=120)
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+    assert code != 0
+    if (tmp_path / "rank0.pt").exists():
+        got = torch.load(tmp_path / "rank0.pt", weights_only=True)
+        assert got["raised"] in ("TransportTimeout", "TransportError"), got["raised"]
+        assert float(got["seconds"]) < 5.0 + 10.0
