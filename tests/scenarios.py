@@ -190,47 +190,43 @@ def peer_steps(transport, peers=PEERS, cases=PEER_CASES, steps: int = 4) -> list
     return records
 
 
+
+def _wait_for_last_rank(transport) -> dict:
+    """Rank 0's sendrecv with the last rank: what it raised and after how many seconds."""
+    import time
+    from spardl_grace.transport import TransportError
+    last = transport.size - 1
+    start = time.monotonic()
+    try:
+        transport.sendrecv(torch.ones(4), last, last, "to.the.last.rank")
+        raised = "nothing"
+    except TransportError as exc:
+        raised = type(exc).__name__
+    return {"raised": raised, "seconds": torch.tensor(time.monotonic() - start),
+            "timeout": torch.tensor(transport.timeout)}
+
+
 def stalled_peer(transport) -> dict:
     """The ranks swap pids; then the last rank stops itself (SIGSTOP: alive, silent) and rank 0
     waits for it in a sendrecv. Rank 0 reports what it raised and after how long, then kills
     the stopped rank so that the launcher ends."""
     import os
     import signal
-    import time
-    from spardl_grace.transport import TransportError
-    r, last = transport.rank, transport.size - 1
     pids = transport.allgather(torch.tensor([os.getpid()], dtype=torch.int64), "pids")
-    if r == last:
+    if transport.rank == transport.size - 1:
         os.kill(os.getpid(), signal.SIGSTOP)
-    if r != 0:
+    if transport.rank != 0:
         return {}
-    start = time.monotonic()
-    try:
-        transport.sendrecv(torch.ones(4), last, last, "to.the.stalled.rank")
-        raised = "nothing"
-    except TransportError as exc:
-        raised = type(exc).__name__
-    seconds = time.monotonic() - start
-    os.kill(int(pids[last][0]), signal.SIGKILL)
-    return {"raised": raised, "seconds": torch.tensor(seconds), "timeout": torch.tensor(transport.timeout)}
+    out = _wait_for_last_rank(transport)
+    os.kill(int(pids[-1][0]), signal.SIGKILL)
+    return out
 
 
 def killed_peer(transport) -> dict:
     """The last rank dies without a word (os._exit); rank 0 then waits for it in a sendrecv
     and reports what it raised and after how long (if its launcher lets it live that long)."""
     import os
-    import time
-    from spardl_grace.transport import TransportError
-    r, last = transport.rank, transport.size - 1
     transport.barrier("before.the.death")
-    if r == last:
+    if transport.rank == transport.size - 1:
         os._exit(0)
-    if r != 0:
-        return {}
-    start = time.monotonic()
-    try:
-        transport.sendrecv(torch.ones(4), last, last, "to.the.dead.rank")
-        raised = "nothing"
-    except TransportError as exc:
-        raised = type(exc).__name__
-    return {"raised": raised, "seconds": torch.tensor(time.monotonic() - start)}
+    return _wait_for_last_rank(transport) if transport.rank == 0 else {}

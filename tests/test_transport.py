@@ -175,21 +175,29 @@ def test_gloo_dead_peer_raises_instead_of_hanging(tmp_path):
     assert seconds < 30
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpi", "horovod-gloo"])
-def test_a_stalled_rank_makes_the_others_time_out_on_every_backend(backend, tmp_path):
-    """A rank stopped with SIGSTOP (alive, its sockets open, never answering): rank 0 raises
-    TransportTimeout or TransportError within the timeout + 10 s, under the real launcher."""
+
+def launch_two_ranks(backend: str, scenario: str, tmp_path) -> int:
+    """Run tests/scenarios.SCENARIO on 2 ranks under the real launcher with a 5 s transport
+    timeout; the launcher's exit code (killed with its whole session after 120 s)."""
     require(backend)
     worker_backend = "horovod" if backend.startswith("horovod") else backend
-    cmd = launcher_command(backend, 2, [str(WORKER), worker_backend, "stalled_peer", str(tmp_path)])
+    cmd = launcher_command(backend, 2, [str(WORKER), worker_backend, scenario, str(tmp_path)])
     env = {**_env(), "SPARDL_TEST_TIMEOUT": "5"}
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL, start_new_session=True) as launcher:
         try:
-            launcher.wait(timeout=180)  # rank 0 kills the stopped rank; the launcher then ends
+            return launcher.wait(timeout=120)
         finally:
             if launcher.poll() is None:
                 os.killpg(launcher.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "horovod-gloo"])
+def test_a_stalled_rank_makes_the_others_time_out_on_every_backend(backend, tmp_path):
+    """A rank stopped with SIGSTOP (alive, its sockets open, never answering): rank 0 raises
+    TransportTimeout or TransportError within the timeout + 10 s, under the real launcher
+    (rank 0 then kills the stopped rank, so that the launcher ends)."""
+    launch_two_ranks(backend, "stalled_peer", tmp_path)
     got = torch.load(tmp_path / "rank0.pt", weights_only=True)
     assert got["raised"] in ("TransportTimeout", "TransportError"), got["raised"]
     assert float(got["timeout"]) == 5.0
@@ -199,21 +207,9 @@ def test_a_stalled_rank_makes_the_others_time_out_on_every_backend(backend, tmp_
 @pytest.mark.parametrize("backend", ["gloo", "mpi", "horovod-gloo"])
 def test_a_killed_rank_ends_the_run_on_every_backend(backend, tmp_path):
     """A rank that dies mid-run never leaves the others hanging: either rank 0 raises a
-    TransportError/TransportTimeout within the timeout + 10 s, or the launcher (mpirun and
-    horovodrun end the whole job when a rank exits early) stops it; the launcher always ends,
-    with a failure."""
-    require(backend)
-    worker_backend = "horovod" if backend.startswith("horovod") else backend
-    cmd = launcher_command(backend, 2, [str(WORKER), worker_backend, "killed_peer", str(tmp_path)])
-    env = {**_env(), "SPARDL_TEST_TIMEOUT": "5"}
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, start_new_session=True) as launcher:
-        try:
-            code = launcher.wait(timeout=120)
-        finally:
-            if launcher.poll() is None:
-                os.killpg(launcher.pid, signal.SIGKILL)
-    assert code != 0
+    TransportError/TransportTimeout within the timeout + 10 s, or the launcher (mpirun ends the
+    whole job when a rank exits early) stops it; the launcher always ends, with a failure."""
+    assert launch_two_ranks(backend, "killed_peer", tmp_path) != 0
     if (tmp_path / "rank0.pt").exists():
         got = torch.load(tmp_path / "rank0.pt", weights_only=True)
         assert got["raised"] in ("TransportTimeout", "TransportError"), got["raised"]
