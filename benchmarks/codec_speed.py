@@ -24,6 +24,7 @@ import torch
 
 from benchmarks.codecs import CONFIGS
 from benchmarks.comm import machine, write_json
+from benchmarks.kernels import benchmark_device, device_name, synchronize
 from deepreduce_compat.codec import codec_from_params
 from spardl_grace.compressors._sparse import count_for_ratio, topk_abs
 from spardl_grace.payload import IdentityCodec
@@ -45,19 +46,15 @@ def measure(config: dict[str, Any], grad: torch.Tensor, indices: torch.Tensor,
     codec = codec_from_params(config) if config else IdentityCodec()
     raw = 8 * indices.numel()
     encode_s, decode_s = [], []
-
-    def sync() -> None:
-        if grad.is_cuda:
-            torch.cuda.synchronize(grad.device)
     for i in range(repeat + 1):  # the first round warms caches up and is not counted
-        sync()
+        synchronize(grad.device)
         start = time.perf_counter()
         enc = codec.encode(grad, indices, f"speed.{i}")
-        sync()
+        synchronize(grad.device)
         encoded = time.perf_counter() - start
         start = time.perf_counter()
         idx, vals = codec.decode(enc.data, grad.numel(), grad.dtype, grad.device, f"speed.{i}")
-        sync()
+        synchronize(grad.device)
         if i:
             encode_s.append(encoded)
             decode_s.append(time.perf_counter() - start)
@@ -80,9 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="cpu", help="where the gradient and the coding live (cpu, cuda)")
     p.add_argument("--data-dir", type=Path, default=None, help="Fashion-MNIST's IDX files")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device here")
+    device = benchmark_device(p, args.device)
     torch.set_num_threads(1)
     grad = real_gradient(args.model, data_dir=args.data_dir).to(device)
     indices = torch.sort(topk_abs(grad, count_for_ratio(grad.numel(), args.density))).values
@@ -92,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:28s} x{r['ratio_to_uncoded']:.3f}  encode {r['encode_mb_per_s']:8.1f} MB/s  "
               f"decode {r['decode_mb_per_s']:8.1f} MB/s  error {r['relative_error']:.4f}")
     out = {"machine": machine(), "device": str(device),
-           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "device_name": device_name(device),
            "model": args.model, "numel": grad.numel(), "k": indices.numel(),
            "density": args.density, "torch_threads": 1, "configs": rows}
     write_json(args.json, out)

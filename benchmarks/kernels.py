@@ -25,18 +25,34 @@ from spardl_grace.compressors._sparse import count_for_ratio, topk_abs
 from spardl_grace.payload import IdentityCodec
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (nothing to wait for on a CPU), so that a host
+    clock read after it times that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def benchmark_device(parser: argparse.ArgumentParser, text: str) -> torch.device:
+    """--device as a torch.device; a parser error where it names CUDA and none is here."""
+    device = torch.device(text)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def timed(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
     """Median seconds of fn() over `repeat` runs after one warm-up run."""
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
     fn()
-    sync()
+    synchronize(device)
     samples = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        sync()
+        synchronize(device)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
@@ -80,7 +96,7 @@ def run(device: torch.device, numel: int, density: float, repeat: int) -> dict[s
         rows[name] = {"seconds": seconds, "bytes_touched": touched, "floor_seconds": floor,
                       "vs_floor": seconds / floor}
     return {"machine": machine(), "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "device_name": device_name(device),
             "torch_threads": torch.get_num_threads(), "numel": numel, "k": k,
             "copy_bandwidth_bytes_per_s": bandwidth, "kernels": rows}
 
@@ -93,9 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device here")
+    device = benchmark_device(p, args.device)
     out = run(device, args.numel, args.density, args.repeat)
     print(f"{out['device_name']}: {args.numel:,} entries, k = {out['k']:,}, copy bandwidth "
           f"{out['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")

@@ -55,11 +55,17 @@ def require(backend: str) -> None:
         pytest.fail("mpirun is missing: scripts/setup_env.sh installs Open MPI")
 
 
-def run_ranks(backend: str, nprocs: int, scenario: str, tmp_path: Path, timeout: float = 240) -> list:
-    """Run tests/scenarios.SCENARIO on nprocs real processes; return each rank's result."""
+def worker_command(backend: str, nprocs: int, scenario: str, outdir: Path) -> list[str]:
+    """The launcher command that runs tests/mp_worker.py's SCENARIO on nprocs ranks (skipping
+    or failing, as `require` does, where the launcher is unavailable)."""
     require(backend)
     worker_backend = "horovod" if backend.startswith("horovod") else backend
-    cmd = launcher_command(backend, nprocs, [str(WORKER), worker_backend, scenario, str(tmp_path)])
+    return launcher_command(backend, nprocs, [str(WORKER), worker_backend, scenario, str(outdir)])
+
+
+def run_ranks(backend: str, nprocs: int, scenario: str, tmp_path: Path, timeout: float = 240) -> list:
+    """Run tests/scenarios.SCENARIO on nprocs real processes; return each rank's result."""
+    cmd = worker_command(backend, nprocs, scenario, tmp_path)
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"

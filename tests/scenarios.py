@@ -190,7 +190,6 @@ def peer_steps(transport, peers=PEERS, cases=PEER_CASES, steps: int = 4) -> list
     return records
 
 
-
 def _wait_for_last_rank(transport) -> dict:
     """Rank 0's sendrecv with the last rank: what it raised and after how many seconds."""
     import time

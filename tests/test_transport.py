@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import scenarios
-from conftest import ROOT, WORKER, _env, launcher_command, require
+from conftest import ROOT, _env, worker_command
 from spardl_grace.transport import (CountingTransport, TransportError, TransportTimeout,
                                     default_transport, run_local)
 
@@ -175,15 +175,11 @@ def test_gloo_dead_peer_raises_instead_of_hanging(tmp_path):
     assert seconds < 30
 
 
-
 def launch_two_ranks(backend: str, scenario: str, tmp_path) -> int:
     """Run tests/scenarios.SCENARIO on 2 ranks under the real launcher with a 5 s transport
     timeout; the launcher's exit code (killed with its whole session after 120 s)."""
-    require(backend)
-    worker_backend = "horovod" if backend.startswith("horovod") else backend
-    cmd = launcher_command(backend, 2, [str(WORKER), worker_backend, scenario, str(tmp_path)])
     env = {**_env(), "SPARDL_TEST_TIMEOUT": "5"}
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    with subprocess.Popen(worker_command(backend, 2, scenario, tmp_path), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL, start_new_session=True) as launcher:
         try:
             return launcher.wait(timeout=120)
