@@ -9,12 +9,15 @@ from typing import Iterable
 import torch
 
 
-def flatten_grads(params: Iterable[torch.nn.Parameter],
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
+def flatten_grads(params: Iterable[torch.nn.Parameter], dtype: torch.dtype | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The gradients of `params` concatenated (zeros for parameters without a gradient), in
-    `dtype` if given."""
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params])
+    `dtype` if given; written into `out` (a 1-D tensor of the total size) where every gradient
+    already has its dtype and device, which saves allocating a gradient-sized tensor."""
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    if out is not None and all(g.dtype == out.dtype and g.device == out.device for g in grads):
+        return torch.cat(grads, out=out)
+    flat = torch.cat(grads)
     return flat if dtype is None else flat.to(dtype)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .api import Communicator
+from .buffers import BufferPool
 from .fusion import assign_grads, flatten_grads
 from .sync import Bucket, GradientSync, communication_dtype
 
@@ -101,6 +102,7 @@ class _DistributedOptimizer:
         self._names = {p: n for n, p in named}
         self._passes = dict.fromkeys(self._slot_of, 0)
         self._pending: list[concurrent.futures.Future] = []
+        self._flat_pool = BufferPool()  # each bucket's flat gradients, reused once released
         self._synchronized = False
         self._should_synchronize = True
         thread_safe = getattr(grace.transport, "thread_safe", True)
@@ -138,7 +140,9 @@ class _DistributedOptimizer:
             self._launch(slot)
 
     def _launch(self, slot: _BucketSlot) -> None:
-        flat = flatten_grads(slot.params, slot.dtype)
+        out = self._flat_pool.take(slot.bucket.key, slot.bucket.numel, slot.dtype,
+                                   slot.params[0].device)
+        flat = flatten_grads(slot.params, slot.dtype, out)
         if self._executor is not None:
             self._pending.append(self._executor.submit(self._sync.synchronize, flat, slot.bucket))
             return

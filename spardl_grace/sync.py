@@ -64,6 +64,25 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
+def _back_to_back(parts: list[torch.Tensor | None], numels: tuple[int, ...]) -> torch.Tensor | None:
+    """One flat view over `parts` if they already lie back to back in one storage (as the
+    previous step's split of a bucket leaves them), so the bucket's entries need no copy;
+    None otherwise."""
+    first = parts[0]
+    if first is None or not first.is_contiguous():
+        return None
+    step = first.element_size()
+    address = first.data_ptr()
+    for part, numel in zip(parts, numels):
+        if part is None or part.numel() != numel or not part.is_contiguous() \
+                or part.dtype != first.dtype or part.device != first.device \
+                or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or part.data_ptr() != address:
+            return None
+        address += numel * step
+    return first.as_strided((sum(numels),), (1,))
+
+
 class _Outcome:
     keep = True
 
@@ -71,7 +90,8 @@ class _Outcome:
 @contextmanager
 def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
     """Within the block, the memory's stores hold the bucket's entries under bucket.key;
-    afterwards, under each parameter's name (flat, numel entries each). If the block fails or
+    afterwards, under each parameter's name (flat, numel entries each; views of the bucket's
+    tensor, so the next step finds them back to back and needs no copy). If the block fails or
     sets `keep = False` on what it is given, the entries from before the block are put back:
     memories replace their entries and never change them in place, so those are intact."""
     saved = []
@@ -80,7 +100,8 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
         saved.append((store, parts))
         present = next((p for p in parts if p is not None), None)
         if present is not None:
-            store[bucket.key] = torch.cat([
+            whole = _back_to_back(parts, bucket.numels)
+            store[bucket.key] = whole if whole is not None else torch.cat([
                 (p if p is not None else present.new_zeros(n)).reshape(-1)
                 for p, n in zip(parts, bucket.numels)])
     outcome = _Outcome()

@@ -91,6 +91,24 @@ def test_conservation_and_identical_results(size, teams, n):
     check_consistent_and_conserving(run_spardl(size, n, 0.05, teams), size)
 
 
+@pytest.mark.parametrize("size,teams,codec", [
+    (1, 1, {}), (3, 1, {}), (4, 1, {}), (4, 2, {}), (6, 3, {}), (5, 5, {}), (7, 1, {}),
+    (4, 1, {"deepreduce": "both", "index": "bloom", "value": "polyfit"}),
+    (4, 2, {"deepreduce": "value", "value": "fp16"})])
+def test_the_residual_is_exactly_the_compensated_gradient_wherever_nothing_was_selected(
+        size, teams, codec):
+    """Global Residual Collection keeps D only at the selected positions: everywhere else the
+    residual must be the compensated gradient to the bit (SparDL puts back only the entries
+    it wrote into D during the step, so a write it forgot would show here)."""
+    per_rank = run_steps(size, {"communicator": "spardl", "compress_ratio": 0.03, "teams": teams,
+                                **codec}, 1001, steps=3)
+    for records in per_rank:
+        for rec in records:
+            untouched = rec["result"] == 0
+            assert untouched.sum() < 1001
+            assert torch.equal(rec["residual"][untouched], rec["compensated"][untouched])
+
+
 @pytest.mark.parametrize("size,teams", [(1, 1), (3, 1), (4, 2), (6, 3), (5, 5), (8, 1)])
 def test_density_one_is_exactly_the_dense_average(size, teams):
     per_rank = run_spardl(size, 301, 1.0, teams, integer_valued=True)

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from ..api import Compressor, Memory, SparseAllreduce
-from ..compressors._sparse import Scratch
+from ..buffers import BufferPool, Scratch
 from ..payload import IdentityCodec, PayloadCodec
 from ..transport import Transport
 
@@ -15,7 +15,8 @@ class CodedAllreduce(SparseAllreduce):
     """A sparse all-reduce whose sparse messages go through a PayloadCodec (identity unless
     given; DeepReduce codecs plug in here), with a per-name step counter that keys shared
     randomness and periodic work, and is part of the checkpointed state. Selection's temporaries
-    live in `scratch`, reused from step to step."""
+    live in `scratch`, reused from step to step; buffers that leave a step (residuals) come
+    from `pool`."""
 
     def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
                  density: float, codec: PayloadCodec | None = None):
@@ -23,6 +24,7 @@ class CodedAllreduce(SparseAllreduce):
         self.codec = codec or IdentityCodec()
         self._steps: dict[str, int] = {}
         self.scratch = Scratch()  # per-step temporaries of selection, reused
+        self.pool = BufferPool()  # gradient-sized buffers handed out, reused once released
 
     def zeros_for_result(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """Zeros shaped like the flat `like`, for this step's result of `name`: a new tensor, or,

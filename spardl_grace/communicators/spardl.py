@@ -67,10 +67,6 @@ class SparDL(CodedAllreduce):
         self.team_size = transport.size // teams
         self.team, self.q = divmod(transport.rank, self.team_size)
         self._h: dict[str, int] = {}
-        # The working copy D is scratch: one buffer per name, reused every step, because
-        # allocating (and first touching) a gradient-sized buffer each step costs as much as a
-        # pass over it.
-        self._working: dict[str, torch.Tensor] = {}
 
     def block_layout(self, numel: int) -> tuple[int, int]:
         """(B, k_b): block length and per-block budget for a tensor of `numel` entries."""
@@ -94,27 +90,26 @@ class SparDL(CodedAllreduce):
             self.last_stats = stats.as_dict()
             return tensor.clone(), tensor.clone()
 
-        original = torch.empty(m * block, dtype=tensor.dtype, device=tensor.device)
-        original[:n] = tensor
-        original[n:] = 0
-        working = self._working.get(name)
-        if working is None or working.shape != original.shape or working.dtype != original.dtype \
-                or working.device != original.device:
-            working = self._working[name] = torch.empty_like(original)
-        working.copy_(original)
+        # D is handed to the memory as the residual, so it comes from the pool: the previous
+        # step's residual is still held (the memory replaces it after this step), the one
+        # before is free again.
+        working = self.pool.take(f"working.{name}", m * block, tensor.dtype, tensor.device, slots=2)
+        working[:n] = tensor
+        working[n:] = 0
         blocks = working.view(m, block)
         team_ranks = [self.team * m + j for j in range(m)]
         key = f"{name}.{step}"
+        touched: list[torch.Tensor] = []  # positions of D written this step
 
-        self._spar_reduce_scatter(blocks, kb, team_ranks, key, stats)
-        final = self._select_final(blocks[self.q], name, n, kb, key, stats)
+        self._spar_reduce_scatter(blocks, kb, team_ranks, key, stats, touched)
+        final = self._select_final(blocks[self.q], name, n, kb, key, stats, touched)
         # With one team every final piece is exactly k_b entries; with cross-team merging it
         # is at most k_b, so its size travels with it.
         piece_size = self.codec.fixed_size(kb, tensor.dtype) if self.teams == 1 else None
         pieces = bruck_allgather(self.transport, final, team_ranks, self.q, f"sag.{key}",
                                  stats, "sag", piece_size)
 
-        result = self.zeros_for_result(name, original)
+        result = self.zeros_for_result(name, working)
         selected = []
         for j, data in enumerate(pieces):
             with stats.timer("coding_s"):
@@ -122,14 +117,27 @@ class SparDL(CodedAllreduce):
                                               f"{key}.final.{j}")
             result[j * block + idx] = vals / self.transport.size  # zeros need no division
             selected.append(j * block + idx)
-        positions = torch.cat(selected)
-        residual = original
-        residual[positions] = working[positions]
+        residual = self._residual(working, tensor, torch.cat(selected), touched)
         self.last_stats = stats.as_dict()
-        return result[:n], residual[:n]
+        return result[:n], residual
+
+    @staticmethod
+    def _residual(working: torch.Tensor, compensated: torch.Tensor, selected: torch.Tensor,
+                  touched: list[torch.Tensor]) -> torch.Tensor:
+        """Global Residual Collection in place of D: D at the selected positions, the
+        compensated gradient A elsewhere. D differs from A only where this step wrote into it
+        (`touched`), so only those entries are put back: no pass over the gradient."""
+        n = compensated.numel()
+        kept = working[selected]
+        if touched:
+            written = torch.cat(touched)
+            written = written[written < n]  # the padding is not part of the residual
+            working[written] = compensated[written]
+        working[selected] = kept
+        return working[:n]
 
     def _spar_reduce_scatter(self, blocks: torch.Tensor, kb: int, team_ranks: list[int],
-                             key: str, stats: StepStats) -> None:
+                             key: str, stats: StepStats, touched: list[torch.Tensor]) -> None:
         m, block = blocks.shape
         expected = self.codec.fixed_size(kb, blocks.dtype)  # None: sizes travel first
         for i, rnd in enumerate(srs_schedule(m)):
@@ -143,6 +151,7 @@ class SparDL(CodedAllreduce):
                 with stats.timer("coding_s"):
                     enc = self.codec.encode(blocks[out_block], chosen, f"{key}.srs.{out_block}")
                 blocks[out_block][enc.indices] -= enc.values
+                touched.append(out_block * block + enc.indices)
                 stats.add_bytes("srs", enc.data.numel())
                 stats.entries["srs"] += enc.indices.numel()
                 with stats.timer("comm_s"):
@@ -152,9 +161,10 @@ class SparDL(CodedAllreduce):
                     idx, vals = self.codec.decode(got, block, blocks.dtype, blocks.device,
                                                   f"{key}.srs.{in_block}")
                 blocks[in_block][idx] += vals
+                touched.append(in_block * block + idx)
 
     def _select_final(self, own: torch.Tensor, name: str, numel: int, kb: int, key: str,
-                      stats: StepStats) -> torch.Tensor:
+                      stats: StepStats, touched: list[torch.Tensor]) -> torch.Tensor:
         """Choose this worker's block's final entries (cross-team merge when d > 1), subtract
         them from the working copy, and return them coded for the all-gather."""
         final_key = f"{key}.final.{self.q}"
@@ -164,6 +174,7 @@ class SparDL(CodedAllreduce):
             with stats.timer("coding_s"):
                 enc = self.codec.encode(own, chosen, final_key)
             own[enc.indices] -= enc.values
+            touched.append(self.q * own.numel() + enc.indices)
             stats.entries["sag"] += enc.indices.numel()
             return enc.data
 
@@ -173,6 +184,7 @@ class SparDL(CodedAllreduce):
         with stats.timer("coding_s"):
             piece = self.codec.encode(own, chosen, f"{key}.cross.{self.q}.{self.team}")
         own[piece.indices] -= piece.values
+        touched.append(self.q * own.numel() + piece.indices)
         stats.entries["cross"] += piece.indices.numel()
         group = [t * self.team_size + self.q for t in range(self.teams)]
         # Every member of the group holds the same h (adapted from the same unions).
@@ -196,6 +208,7 @@ class SparDL(CodedAllreduce):
         if self.team == 0:
             # Whatever the final coding changes is kept once, by team 0's owner.
             own[enc.indices] += union[enc.indices] - enc.values
+            touched.append(self.q * own.numel() + enc.indices)
         stats.entries["sag"] += enc.indices.numel()
         return enc.data
 

@@ -6,6 +6,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..buffers import Scratch
+
 
 def count_for_ratio(numel: int, ratio: float) -> int:
     """How many entries a ratio keeps: at least one of a non-empty tensor (GRACE's rule)."""
@@ -15,23 +17,28 @@ def count_for_ratio(numel: int, ratio: float) -> int:
 PREFILTER_MIN_NUMEL = 1 << 16  # below this torch.topk is as fast as the prefilter
 PREFILTER_SAMPLE = 1 << 14
 PREFILTER_MARGIN = 1.5         # aim the threshold at about 1.5 k candidates
+WORDWISE_MAX_FRACTION = 0.02   # sparse_nonzero's word scan pays off below this share of trues
 
 
-class Scratch:
-    """Buffers reused from call to call, one per purpose: allocating (and first touching) a
-    gradient-sized tensor costs as much as a pass over it, so per-step temporaries live here.
-    A buffer is valid until the next get() for the same purpose."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, purpose: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A 1-D tensor of `numel` entries (contents undefined)."""
-        buffer = self._buffers.get(purpose)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype \
-                or buffer.device != device:
-            buffer = self._buffers[purpose] = torch.empty(numel, dtype=dtype, device=device)
-        return buffer[:numel]
+def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """torch.nonzero(mask).reshape(-1) for a 1-D contiguous bool mask on a CPU: the same
+    ascending int64 indices. Where few entries are true (a few percent, as in the top-k
+    prefilter), it first finds the 8-byte words of the mask that hold any true entry and looks
+    inside those only: 2.4x faster than torch.nonzero at 1.5% on the benchmark machine, slower
+    above about 4%."""
+    n = mask.numel()
+    head = n - n % 8
+    if mask.device.type != "cpu" or not mask.is_contiguous() or mask.storage_offset() % 8 \
+            or head == 0:
+        return torch.nonzero(mask).reshape(-1)
+    flags = mask.view(torch.uint8)
+    words = flags[:head].view(torch.int64)
+    hit = torch.nonzero(words).reshape(-1)
+    inside = torch.nonzero(words.index_select(0, hit).view(torch.uint8)).reshape(-1)
+    found = hit[inside >> 3] * 8 + (inside & 7)
+    if head == n:
+        return found
+    return torch.cat([found, torch.nonzero(flags[head:]).reshape(-1) + head])
 
 
 def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torch.Tensor:
@@ -61,7 +68,10 @@ def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torc
             mask = magnitudes >= threshold
         else:
             mask = torch.ge(magnitudes, threshold, out=scratch.get("mask", n, torch.bool, flat.device))
-        candidates = torch.nonzero(mask).reshape(-1)
+        if PREFILTER_MARGIN * k <= WORDWISE_MAX_FRACTION * n:
+            candidates = sparse_nonzero(mask)
+        else:
+            candidates = torch.nonzero(mask).reshape(-1)
         if candidates.numel() >= k:
             return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
     return torch.topk(magnitudes, k, sorted=False).indices

@@ -29,6 +29,7 @@ import math
 import torch
 
 from ..api import Memory
+from ..buffers import BufferPool
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -46,6 +47,7 @@ class ResidualMemory(Memory):
         self.residuals: dict[str, torch.Tensor] = {}
         self.velocities: dict[str, torch.Tensor] = {}
         self._new_velocity: dict[str, torch.Tensor] = {}
+        self._pool = BufferPool()
 
     def compensate(self, tensor, name):
         tensor = _wide(tensor)
@@ -62,7 +64,10 @@ class ResidualMemory(Memory):
             return tensor if self.gamma == 1.0 else self.gamma * tensor
         self._check_shape("residual", name, residual, tensor)
         if self.beta == 1.0 and self.gamma == 1.0:
-            return residual + tensor  # one pass over memory instead of three
+            # One pass instead of three, into a buffer released by an earlier step.
+            out = self._pool.take(f"compensated.{name}", tensor.numel(),
+                                  torch.result_type(residual, tensor), tensor.device)
+            return torch.add(residual, tensor, out=out.view(tensor.shape))
         return self.beta * residual + self.gamma * tensor
 
     @staticmethod

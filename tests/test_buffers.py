@@ -1,0 +1,122 @@
+"""Reused buffers: the pool never hands out what someone holds, reuse leaves every result
+bit-identical, and the integrations really reuse (no gradient-sized allocation per step)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import scenarios
+from spardl_grace import DistributedOptimizer, grace_from_params, run_local
+from spardl_grace.buffers import BufferPool
+from spardl_grace.compressors._sparse import sparse_nonzero
+from spardl_grace.sync import Bucket, GradientSync, per_parameter_stores
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 3000), st.floats(0.0, 1.0), st.integers(0, 9))
+def test_sparse_nonzero_is_torch_nonzero(n, share, offset):
+    g = torch.Generator().manual_seed(n * 31 + offset)
+    mask = torch.rand(n + offset, generator=g) < share
+    view = mask[offset:]  # misaligned views take torch.nonzero's path, aligned the word scan
+    assert torch.equal(sparse_nonzero(view), torch.nonzero(view).reshape(-1))
+
+
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_the_pool_hands_a_buffer_out_again_only_once_nothing_holds_it():
+    pool = BufferPool()
+    first = pool.take("a", 100, torch.float32, torch.device("cpu"), slots=2)
+    address = storage(first)
+    kept = first[10:20]  # a view keeps the storage held
+    del first
+    second = pool.take("a", 100, torch.float32, torch.device("cpu"), slots=2)
+    assert storage(second) != address
+    del kept
+    third = pool.take("a", 100, torch.float32, torch.device("cpu"), slots=2)
+    assert storage(third) == address
+    # With every slot held, a new tensor; the held ones are never overwritten.
+    third.fill_(1.0)
+    fourth = pool.take("a", 100, torch.float32, torch.device("cpu"), slots=2)
+    fifth = pool.take("a", 100, torch.float32, torch.device("cpu"), slots=2)
+    assert len({storage(t) for t in (second, third, fourth, fifth)}) == 4
+    assert torch.equal(third, torch.ones(100))
+    # Another size, dtype or purpose never shares a buffer.
+    assert storage(pool.take("a", 99, torch.float32, torch.device("cpu"))) not in \
+        {storage(t) for t in (second, third, fourth, fifth)}
+
+
+class _FreshPool(BufferPool):
+    """Every take() a new tensor: the algorithms as they ran before their buffers were pooled."""
+
+    def take(self, purpose, numel, dtype, device, slots=1):
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("comm,extra", [("spardl", {}), ("spardl", {"teams": 3}),
+                                        ("spardl", {"momentum_correction": 0.9}),
+                                        ("topka", {}), ("gtopk", {}), ("oktopk", {})])
+def test_pooled_buffers_leave_results_and_residuals_bit_identical(comm, extra):
+    def fn(t, fresh):
+        grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
+                                 **scenarios.peer_params(comm, 0.05), **extra}, transport=t)
+        if fresh:
+            grc.pool = grc.memory._pool = _FreshPool()
+        sync = GradientSync(grc)
+        bucket = Bucket(("a", "b"), (70_001, 29_999))
+        g = torch.Generator().manual_seed(5 + t.rank)
+        out = []
+        for _ in range(5):
+            out.append(sync.synchronize(torch.randn(100_000, generator=g), bucket).clone())
+            out.extend(grc.memory.residuals[n].clone() for n in bucket.names)
+        return out
+    pooled, fresh = run_local(3, fn, False), run_local(3, fn, True)
+    for r in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(pooled[r], fresh[r]))
+
+
+def test_steps_reuse_their_gradient_sized_buffers():
+    """SparDL's working copy cycles through two buffers (one is the residual the memory still
+    holds), the compensated gradient and the optimizer's flat gradient through one each, and
+    the memory's per-parameter residuals join into the bucket without a copy."""
+    def fn(t):
+        model = torch.nn.Linear(300, 200)
+        grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
+                                 "communicator": "spardl", "compress_ratio": 0.05}, transport=t)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grc,
+                                   named_parameters=model.named_parameters(), overlap=False)
+        residuals, flats = set(), set()
+        for step in range(6):
+            opt.zero_grad()
+            model(torch.randn(4, 300)).square().sum().backward()
+            opt.synchronize()
+            opt.step()
+            residuals.add(storage(grc.memory.residuals["weight"]))
+            flats.update(storage(b) for b in opt._flat_pool._slots[opt.buckets[0].key])
+        compensated = grc.memory._pool._slots
+        return len(residuals), len(flats), [len(v) for v in compensated.values()]
+    assert run_local(2, fn) == [(2, 1, [1]), (2, 1, [1])]
+
+
+def test_a_bucket_of_back_to_back_residuals_is_not_copied():
+    def fn(t):
+        grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
+                                 "communicator": "spardl", "compress_ratio": 0.05}, transport=t)
+        sync, bucket = GradientSync(grc), Bucket(("a", "b"), (700, 300))
+        sync.synchronize(torch.randn(1000), bucket)
+        parts = [grc.memory.residuals[n] for n in bucket.names]
+        with per_parameter_stores(grc.memory, bucket):
+            whole = grc.memory.residuals[bucket.key]
+            joined = whole.data_ptr() == parts[0].data_ptr() \
+                and torch.equal(whole, torch.cat(parts))
+        # Parts from elsewhere (not one tensor) are concatenated, and the result is the same.
+        grc.memory.residuals["a"] = parts[0].clone()
+        with per_parameter_stores(grc.memory, bucket):
+            copied = grc.memory.residuals[bucket.key]
+            concatenated = copied.data_ptr() != parts[0].data_ptr() \
+                and torch.equal(copied, torch.cat(parts))
+        return joined, concatenated
+    assert run_local(2, fn) == [(True, True), (True, True)]
