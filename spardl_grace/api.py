@@ -91,6 +91,17 @@ class Memory(ABC):
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Return the tensor to compress: the gradient plus what is remembered for `name`."""
 
+    def compensate_into(self, tensor: torch.Tensor, name: str, out: torch.Tensor) -> torch.Tensor:
+        """compensate(), written into `out` (shaped like `tensor`) and returned: a sparse
+        all-reduce that works on a buffer of its own gets the compensated gradient there
+        directly. Where compensate()'s result has another dtype or shape than `out`, that
+        result is returned instead (callers compare storage). This default copies; memories
+        override it to write `out` in the same pass."""
+        compensated = self.compensate(tensor, name)
+        if compensated.dtype != out.dtype or compensated.shape != out.shape:
+            return compensated
+        return out.copy_(compensated)
+
     def update(self, tensor: torch.Tensor, name: str, compressor: Compressor,
                tensor_compressed: Sequence[torch.Tensor], ctx: Any) -> None:
         """Remember what compression dropped (GRACE communicators, before communication)."""
@@ -203,7 +214,11 @@ class SparseAllreduce(Communicator):
         self.density = float(density)
 
     def send_step(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
-        compensated = self.memory.compensate(tensor, name)
+        buffer = self.compensation_buffer(tensor, name)
+        if buffer is None:
+            compensated = self.memory.compensate(tensor, name)
+        else:
+            compensated = self.memory.compensate_into(tensor, name, buffer.view(tensor.shape))
         result, residual = self.reduce(compensated.reshape(-1), name)
         result = result.view(tensor.shape)
         self.memory.store_residual(name, residual.view(tensor.shape), result)
@@ -211,6 +226,12 @@ class SparseAllreduce(Communicator):
 
     def send_receive(self, tensors, name, ctx):  # pragma: no cover - sparse all-reduces use reduce
         raise NotImplementedError("sparse all-reduces communicate in reduce()")
+
+    def compensation_buffer(self, tensor: torch.Tensor, name: str) -> torch.Tensor | None:
+        """A flat buffer of tensor.numel() entries for the memory to write this step's
+        compensated gradient into, when reduce() would otherwise copy it into a buffer of its
+        own (saving that pass); None: the memory returns a tensor of its choice."""
+        return None
 
     @abstractmethod
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,9 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scenarios
-from spardl_grace import DistributedOptimizer, grace_from_params, run_local
+from spardl_grace import DistributedOptimizer, Memory, grace_from_params, run_local
 from spardl_grace.buffers import BufferPool
 from spardl_grace.compressors._sparse import sparse_nonzero
+from spardl_grace.memories.none import NoneMemory
+from spardl_grace.memories.residual import ResidualMemory
 from spardl_grace.sync import Bucket, GradientSync, per_parameter_stores
 
 
@@ -80,8 +82,8 @@ def test_pooled_buffers_leave_results_and_residuals_bit_identical(comm, extra):
 
 def test_steps_reuse_their_gradient_sized_buffers():
     """SparDL's working copy cycles through two buffers (one is the residual the memory still
-    holds), the compensated gradient and the optimizer's flat gradient through one each, and
-    the memory's per-parameter residuals join into the bucket without a copy."""
+    holds), the memory writes the compensated gradient straight into it (no buffer of its own),
+    and the optimizer's flat gradient reuses one buffer."""
     def fn(t):
         model = torch.nn.Linear(300, 200)
         grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
@@ -96,9 +98,48 @@ def test_steps_reuse_their_gradient_sized_buffers():
             opt.step()
             residuals.add(storage(grc.memory.residuals["weight"]))
             flats.update(storage(b) for b in opt._flat_pool._slots[opt.buckets[0].key])
-        compensated = grc.memory._pool._slots
-        return len(residuals), len(flats), [len(v) for v in compensated.values()]
-    assert run_local(2, fn) == [(2, 1, [1]), (2, 1, [1])]
+        return len(residuals), len(flats), dict(grc.memory._pool._slots)
+    assert run_local(2, fn) == [(2, 1, {}), (2, 1, {})]
+
+
+def test_other_sparse_allreduces_reuse_the_compensated_gradients_buffer():
+    def fn(t):
+        grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
+                                 "communicator": "topka", "compress_ratio": 0.05}, transport=t)
+        sync, bucket = GradientSync(grc), Bucket(("a",), (1000,))
+        for _ in range(5):
+            sync.synchronize(torch.randn(1000), bucket)
+        return [len(v) for v in grc.memory._pool._slots.values()]
+    assert run_local(2, fn) == [[1], [1]]
+
+
+class _UsersMemory(Memory):
+    """A memory as a GRACE user writes one: compensate only."""
+
+    def compensate(self, tensor, name):
+        return tensor * 2
+
+
+@pytest.mark.parametrize("memory", [
+    lambda: ResidualMemory(), lambda: ResidualMemory(beta=0.5, gamma=2.0),
+    lambda: ResidualMemory(momentum_correction=0.9), lambda: ResidualMemory(local_clip_norm=0.1),
+    lambda: NoneMemory(), lambda: _UsersMemory()])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compensate_into_gives_what_compensate_gives(memory, dtype):
+    """Into `out` where the dtype allows (float16 gradients compensate in float32), else the
+    result itself; the same bits either way, with and without a residual."""
+    plain, into = memory(), memory()
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        grad = torch.randn(6, 5, generator=g).to(dtype)
+        expected = plain.compensate(grad, "w")
+        out = torch.empty(6, 5)
+        got = into.compensate_into(grad, "w", out)
+        assert torch.equal(got, expected) and got.dtype == expected.dtype
+        assert (got.data_ptr() == out.data_ptr()) == (expected.dtype == torch.float32)
+        for m in (plain, into):
+            if isinstance(m, ResidualMemory):
+                m.store_residual("w", expected.float() * 0.5, expected.float())
 
 
 def test_a_bucket_of_back_to_back_residuals_is_not_copied():

@@ -46,6 +46,7 @@ from ._sparse_collectives import StepStats, bruck_allgather
 from .schedules import srs_schedule
 
 PHASES = ("srs", "cross", "sag")
+Undo = list[tuple[torch.Tensor, torch.Tensor]]
 H_GAIN = 0.5  # weight of the new estimate in the adaptive-h update (the rest is inertia)
 
 
@@ -67,6 +68,7 @@ class SparDL(CodedAllreduce):
         self.team_size = transport.size // teams
         self.team, self.q = divmod(transport.rank, self.team_size)
         self._h: dict[str, int] = {}
+        self._prepared: dict[str, torch.Tensor] = {}  # working buffers given to the memory
 
     def block_layout(self, numel: int) -> tuple[int, int]:
         """(B, k_b): block length and per-block budget for a tensor of `numel` entries."""
@@ -80,6 +82,25 @@ class SparDL(CodedAllreduce):
             return block
         return self._h.get(name, math.ceil(kb / self.teams))
 
+    def compensation_buffer(self, tensor: torch.Tensor, name: str) -> torch.Tensor | None:
+        """The first numel entries of this step's working buffer D: the memory writes the
+        compensated gradient A there, and reduce() works on it in place."""
+        n = tensor.numel()
+        if n == 0:
+            return None
+        block, _ = self.block_layout(n)
+        dtype = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
+        working = self._working_buffer(name, self.team_size * block, dtype, tensor.device)
+        self._prepared[name] = working
+        return working[:n]
+
+    def _working_buffer(self, name: str, numel: int, dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+        # D is handed to the memory as the residual, so it comes from the pool: the previous
+        # step's residual is still held (the memory replaces it after this step), the one
+        # before is free again.
+        return self.pool.take(f"working.{name}", numel, dtype, device, slots=2)
+
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         stats = StepStats(PHASES)
         step = self.next_step(name)
@@ -90,19 +111,20 @@ class SparDL(CodedAllreduce):
             self.last_stats = stats.as_dict()
             return tensor.clone(), tensor.clone()
 
-        # D is handed to the memory as the residual, so it comes from the pool: the previous
-        # step's residual is still held (the memory replaces it after this step), the one
-        # before is free again.
-        working = self.pool.take(f"working.{name}", m * block, tensor.dtype, tensor.device, slots=2)
-        working[:n] = tensor
+        working = self._prepared.pop(name, None)
+        if working is None or working.numel() != m * block or working.dtype != tensor.dtype \
+                or working.device != tensor.device:
+            working = self._working_buffer(name, m * block, tensor.dtype, tensor.device)
+        if working.data_ptr() != tensor.data_ptr():  # the memory did not write A in place
+            working[:n] = tensor
         working[n:] = 0
         blocks = working.view(m, block)
         team_ranks = [self.team * m + j for j in range(m)]
         key = f"{name}.{step}"
-        touched: list[torch.Tensor] = []  # positions of D written this step
+        undo: Undo = []  # per write into D: (positions, what it overwrote)
 
-        self._spar_reduce_scatter(blocks, kb, team_ranks, key, stats, touched)
-        final = self._select_final(blocks[self.q], name, n, kb, key, stats, touched)
+        self._spar_reduce_scatter(blocks, kb, team_ranks, key, stats, undo)
+        final = self._select_final(blocks[self.q], name, n, kb, key, stats, undo)
         # With one team every final piece is exactly k_b entries; with cross-team merging it
         # is at most k_b, so its size travels with it.
         piece_size = self.codec.fixed_size(kb, tensor.dtype) if self.teams == 1 else None
@@ -117,27 +139,25 @@ class SparDL(CodedAllreduce):
                                               f"{key}.final.{j}")
             result[j * block + idx] = vals / self.transport.size  # zeros need no division
             selected.append(j * block + idx)
-        residual = self._residual(working, tensor, torch.cat(selected), touched)
+        residual = self._residual(working, n, torch.cat(selected), undo)
         self.last_stats = stats.as_dict()
         return result[:n], residual
 
     @staticmethod
-    def _residual(working: torch.Tensor, compensated: torch.Tensor, selected: torch.Tensor,
-                  touched: list[torch.Tensor]) -> torch.Tensor:
+    def _residual(working: torch.Tensor, n: int, selected: torch.Tensor,
+                  undo: Undo) -> torch.Tensor:
         """Global Residual Collection in place of D: D at the selected positions, the
-        compensated gradient A elsewhere. D differs from A only where this step wrote into it
-        (`touched`), so only those entries are put back: no pass over the gradient."""
-        n = compensated.numel()
+        compensated gradient A elsewhere. D differs from A only where this step wrote into it,
+        and each write logged what it overwrote: undoing the writes in reverse order gives A
+        back exactly, with no pass over the gradient."""
         kept = working[selected]
-        if touched:
-            written = torch.cat(touched)
-            written = written[written < n]  # the padding is not part of the residual
-            working[written] = compensated[written]
+        for positions, values in reversed(undo):
+            working[positions] = values
         working[selected] = kept
         return working[:n]
 
     def _spar_reduce_scatter(self, blocks: torch.Tensor, kb: int, team_ranks: list[int],
-                             key: str, stats: StepStats, touched: list[torch.Tensor]) -> None:
+                             key: str, stats: StepStats, undo: Undo) -> None:
         m, block = blocks.shape
         expected = self.codec.fixed_size(kb, blocks.dtype)  # None: sizes travel first
         for i, rnd in enumerate(srs_schedule(m)):
@@ -150,8 +170,8 @@ class SparDL(CodedAllreduce):
                     chosen = topk_abs(blocks[out_block], kb, self.scratch)
                 with stats.timer("coding_s"):
                     enc = self.codec.encode(blocks[out_block], chosen, f"{key}.srs.{out_block}")
+                undo.append((out_block * block + enc.indices, blocks[out_block][enc.indices]))
                 blocks[out_block][enc.indices] -= enc.values
-                touched.append(out_block * block + enc.indices)
                 stats.add_bytes("srs", enc.data.numel())
                 stats.entries["srs"] += enc.indices.numel()
                 with stats.timer("comm_s"):
@@ -160,11 +180,11 @@ class SparDL(CodedAllreduce):
                 with stats.timer("coding_s"):
                     idx, vals = self.codec.decode(got, block, blocks.dtype, blocks.device,
                                                   f"{key}.srs.{in_block}")
+                undo.append((in_block * block + idx, blocks[in_block][idx]))
                 blocks[in_block][idx] += vals
-                touched.append(in_block * block + idx)
 
     def _select_final(self, own: torch.Tensor, name: str, numel: int, kb: int, key: str,
-                      stats: StepStats, touched: list[torch.Tensor]) -> torch.Tensor:
+                      stats: StepStats, undo: Undo) -> torch.Tensor:
         """Choose this worker's block's final entries (cross-team merge when d > 1), subtract
         them from the working copy, and return them coded for the all-gather."""
         final_key = f"{key}.final.{self.q}"
@@ -173,8 +193,8 @@ class SparDL(CodedAllreduce):
                 chosen = topk_abs(own, kb, self.scratch)
             with stats.timer("coding_s"):
                 enc = self.codec.encode(own, chosen, final_key)
+            undo.append((self.q * own.numel() + enc.indices, own[enc.indices]))
             own[enc.indices] -= enc.values
-            touched.append(self.q * own.numel() + enc.indices)
             stats.entries["sag"] += enc.indices.numel()
             return enc.data
 
@@ -183,8 +203,8 @@ class SparDL(CodedAllreduce):
             chosen = topk_abs(own, h, self.scratch)
         with stats.timer("coding_s"):
             piece = self.codec.encode(own, chosen, f"{key}.cross.{self.q}.{self.team}")
+        undo.append((self.q * own.numel() + piece.indices, own[piece.indices]))
         own[piece.indices] -= piece.values
-        touched.append(self.q * own.numel() + piece.indices)
         stats.entries["cross"] += piece.indices.numel()
         group = [t * self.team_size + self.q for t in range(self.teams)]
         # Every member of the group holds the same h (adapted from the same unions).
@@ -207,8 +227,8 @@ class SparDL(CodedAllreduce):
             enc = self.codec.encode(union, candidates, final_key)
         if self.team == 0:
             # Whatever the final coding changes is kept once, by team 0's owner.
+            undo.append((self.q * own.numel() + enc.indices, own[enc.indices]))
             own[enc.indices] += union[enc.indices] - enc.values
-            touched.append(self.q * own.numel() + enc.indices)
         stats.entries["sag"] += enc.indices.numel()
         return enc.data
 

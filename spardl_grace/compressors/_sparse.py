@@ -73,7 +73,8 @@ def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torc
         else:
             candidates = torch.nonzero(mask).reshape(-1)
         if candidates.numel() >= k:
-            return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+            chosen = torch.topk(magnitudes.index_select(0, candidates), k, sorted=False).indices
+            return candidates.index_select(0, chosen)
     return torch.topk(magnitudes, k, sorted=False).indices
 
 

@@ -50,6 +50,13 @@ class ResidualMemory(Memory):
         self._pool = BufferPool()
 
     def compensate(self, tensor, name):
+        return self._compensate(tensor, name, None)
+
+    def compensate_into(self, tensor, name, out):
+        return self._compensate(tensor, name, out)
+
+    def _compensate(self, tensor: torch.Tensor, name: str,
+                    out: torch.Tensor | None) -> torch.Tensor:
         tensor = _wide(tensor)
         if self.local_clip_norm is not None:
             tensor = self._clip(tensor)
@@ -60,15 +67,22 @@ class ResidualMemory(Memory):
                 tensor = torch.add(tensor, velocity, alpha=self.momentum_correction)
             self._new_velocity[name] = tensor
         residual = self.residuals.get(name)
+        if residual is not None:
+            self._check_shape("residual", name, residual, tensor)
+        if residual is not None and self.beta == 1.0 and self.gamma == 1.0:
+            dtype = torch.result_type(residual, tensor)
+            if out is None or out.dtype != dtype:
+                # A buffer released by an earlier step: no gradient-sized allocation.
+                out = self._pool.take(f"compensated.{name}", tensor.numel(), dtype,
+                                      tensor.device).view(tensor.shape)
+            return torch.add(residual, tensor, out=out)  # one pass instead of three
         if residual is None:
-            return tensor if self.gamma == 1.0 else self.gamma * tensor
-        self._check_shape("residual", name, residual, tensor)
-        if self.beta == 1.0 and self.gamma == 1.0:
-            # One pass instead of three, into a buffer released by an earlier step.
-            out = self._pool.take(f"compensated.{name}", tensor.numel(),
-                                  torch.result_type(residual, tensor), tensor.device)
-            return torch.add(residual, tensor, out=out.view(tensor.shape))
-        return self.beta * residual + self.gamma * tensor
+            compensated = tensor if self.gamma == 1.0 else self.gamma * tensor
+        else:
+            compensated = self.beta * residual + self.gamma * tensor
+        if out is None or out.dtype != compensated.dtype:
+            return compensated
+        return out.copy_(compensated)
 
     @staticmethod
     def _check_shape(what: str, name: str, kept: torch.Tensor, tensor: torch.Tensor) -> None:
