@@ -112,6 +112,23 @@ def test_gtopk_bytes_match_the_formula_for_any_p(size):
             assert sent_bytes(rec) == rec["stats"]["bytes_sent"]
 
 
+@pytest.mark.parametrize("size", [2, 3, 5, 6, 7, 8])
+def test_gtopk_messages_are_one_round_trip_each_with_the_identity_codec(size):
+    """Every set gTop-k sends holds exactly k entries (the fold, each merge, the final set with
+    its bitmask), so receivers know the size and no size travels first; with a DeepReduce codec
+    the sizes vary and do travel."""
+    def fn(t, params):
+        counting = CountingTransport(t)
+        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
+                                 **scenarios.peer_params("gtopk", 0.05), **params},
+                                transport=counting)
+        grc.step(torch.randn(1000, generator=torch.Generator().manual_seed(t.rank)), "w")
+        return counting.round_trips, sum(1 for m in counting.messages if m.op == "send")
+    assert all(trips == sends for trips, sends in run_local(size, fn, {}))
+    coded = run_local(size, fn, {"deepreduce": "index", "index": "delta"})
+    assert all(trips > sends for trips, sends in coded)
+
+
 @pytest.mark.parametrize("size", [2, 3, 4, 6, 8])
 @pytest.mark.parametrize("regime", ["exact", "stationary", "error_feedback"])
 def test_oktopk_payload_within_6k_words(size, regime):

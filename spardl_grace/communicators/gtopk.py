@@ -36,7 +36,7 @@ import torch
 
 from ..api import Compressor, Memory
 from ..compressors._sparse import count_for_ratio, topk_abs
-from ..payload import PayloadCodec, pack_frames, unpack_frames
+from ..payload import PayloadCodec, frame_overhead, pack_frames, unpack_frames
 from ..transport import Transport
 from ..utils import bitpack
 from ._base import CodedAllreduce
@@ -112,16 +112,24 @@ class GTopk(CodedAllreduce):
         return result, residual
 
     def _send_to(self, peer: int | None, data: torch.Tensor | None, name: str,
-                 stats: StepStats, phase: str) -> torch.Tensor:
+                 stats: StepStats, phase: str, expected: int | None = 0) -> torch.Tensor:
         """One step of a pairwise exchange in which only some ranks take part: every rank calls
-        sendrecv (Horovod needs all ranks in every op); idle ranks talk to themselves."""
+        sendrecv (Horovod needs all ranks in every op); idle ranks talk to themselves.
+        expected: the bytes the peer sends (0 unless given; None: unknown, sizes travel)."""
         me = self.transport.rank
         out = data if data is not None else torch.empty(0, dtype=torch.uint8)
         peer = me if peer is None else peer
         if peer != me:
             stats.add_bytes(phase, out.numel())
+        else:
+            expected = 0
         with stats.timer("comm_s"):
-            return self.transport.sendrecv(out, dst=peer, src=peer, name=name)
+            return self.transport.sendrecv(out, dst=peer, src=peer, name=name, recv_numel=expected)
+
+    def _set_size(self, k: int, dtype: torch.dtype) -> int | None:
+        """Bytes of a coded set of k entries, when the codec fixes it (every set sent holds
+        exactly k entries: the top k of a union of two k-sets)."""
+        return self.codec.fixed_size(k, dtype)
 
     def _fold(self, current: _Set, coded: torch.Tensor, n: int, k: int, key: str,
               stats: StepStats) -> _Set:
@@ -133,7 +141,8 @@ class GTopk(CodedAllreduce):
             self._send_to(me - p, coded, f"fold.{key}", stats, "fold")
             return current
         if me < self.extra:
-            got = self._send_to(me + p, None, f"fold.{key}", stats, "fold")
+            got = self._send_to(me + p, None, f"fold.{key}", stats, "fold",
+                                self._set_size(k, current.values.dtype))
             with stats.timer("coding_s"):
                 idx, vals = _sorted(*self.codec.decode(got, n, current.values.dtype,
                                                        current.values.device, f"{key}.select.{me + p}"))
@@ -153,7 +162,8 @@ class GTopk(CodedAllreduce):
                                            f"{key}.merge.{i}.{leader}")
         mine = self._after_coding(current, enc.indices, enc.values, leader == me)
         stats.entries["merge"] += enc.indices.numel()
-        got = self._send_to(partner, enc.data, f"merge.{key}.{i}", stats, "merge")
+        got = self._send_to(partner, enc.data, f"merge.{key}.{i}", stats, "merge",
+                            self._set_size(k, current.values.dtype))
         with stats.timer("coding_s"):
             idx, vals = _sorted(*self.codec.decode(got, n, current.values.dtype,
                                                    current.values.device,
@@ -221,7 +231,10 @@ class GTopk(CodedAllreduce):
             else:
                 self._send_to(None, None, f"final.{key}", stats, "final")
             return final_set.indices, final_set.values, final_set.credit
-        got = self._send_to(me - p, None, f"final.{key}", stats, "final")
+        size = self._set_size(count_for_ratio(n, self.density), own_vals.dtype)
+        if size is not None:  # the set and a bit per entry, framed
+            size += bitpack.packed_size(count_for_ratio(n, self.density), 1) + frame_overhead(2)
+        got = self._send_to(me - p, None, f"final.{key}", stats, "final", size)
         idx, vals, folded = self._split_final(got, n, own_vals.dtype, own_vals.device, key)
         credit = torch.where(folded, realign(own_idx, own_vals, idx), torch.zeros_like(vals))
         return idx, vals, credit
