@@ -14,6 +14,11 @@ range of the total, selection, communication and coding seconds; bytes sent per 
 the cost formula (benchmarks.costmodel); the ratio of its time to dense's; rank 0's message
 trace and every rank's step statistics (the simulator's input). --bandwidth runs the ranks in
 network namespaces whose links tc shapes to that rate (benchmarks.netem; root only).
+
+What PyTorch users run instead runs in the same run (--gradient MODEL, gloo): torch_ddp,
+torch_fp16, torch_powersgd1 and torch_powersgd4 are DDP with torch's own all-reduce, fp16 and
+PowerSGD (rank 1, 4) hooks on the model's real layer shapes; their time is DDP's backward minus
+the same backward without DDP, their bytes what the hooks all-reduce (experiments.baselines).
 """
 from __future__ import annotations
 
@@ -30,12 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import costmodel
+from benchmarks.comm_worker import POWERSGD_START, TORCH_HOOKS
 from benchmarks.netem import EmulatedNetwork, rank_env, rate_bits_per_s, run_all
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("gloo", "mpi", "horovod")
 GRADIENTS = ("random", "resnet20", "resnet56", "resnet50", "vgg16", "vgg19", "alexnet", "fashioncnn")
 TIMES = ("total_s", "selection_s", "comm_s", "coding_s")
+VALID = (*costmodel.ALGORITHMS, *TORCH_HOOKS)
 
 
 def machine() -> dict[str, Any]:
@@ -56,7 +63,7 @@ def write_json(path: Path | str | None, data: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algorithms", default=",".join(costmodel.ALGORITHMS),
-                   help=f"comma-separated of {', '.join(costmodel.ALGORITHMS)}")
+                   help=f"comma-separated of {', '.join(VALID)}")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--numel", type=int, default=14_700_000, help="gradient size (random gradients)")
     p.add_argument("--gradient", default="random", choices=GRADIENTS,
@@ -75,9 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     args.algorithms = [a for a in args.algorithms.split(",") if a]
-    unknown = set(args.algorithms) - set(costmodel.ALGORITHMS)
+    unknown = set(args.algorithms) - set(VALID)
     if unknown or not args.algorithms:
-        p.error(f"unknown algorithms {sorted(unknown)}; valid choices: {', '.join(costmodel.ALGORITHMS)}")
+        p.error(f"unknown algorithms {sorted(unknown)}; valid choices: {', '.join(VALID)}")
+    hooks = [a for a in args.algorithms if a in TORCH_HOOKS]
+    if hooks and (args.backend != "gloo" or args.gradient == "random"):
+        p.error(f"{', '.join(hooks)} run PyTorch's DDP on a model's layer shapes: they need "
+                "--backend gloo and --gradient MODEL")
+    if any(a.startswith("torch_powersgd") for a in hooks) and args.warmup < POWERSGD_START + 1:
+        p.error(f"PyTorch's PowerSGD hook compresses from step {POWERSGD_START} on (it needs "
+                f"vanilla steps first): --warmup >= {POWERSGD_START + 1}")
     if args.workers < 2:
         p.error("--workers must be >= 2")
     if args.teams < 1 or args.workers % args.teams:
@@ -157,7 +171,8 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         h = None
         if name == "spardl" and args.teams > 1:
             h = statistics.fmean(s["stats"]["cross_entries"] for rs in per_rank for s in rs)
-        formula = costmodel.formula_bytes(name, numel, args.workers, args.density, args.teams, h)
+        formula = costmodel.formula_bytes(name, numel, args.workers, args.density, args.teams, h) \
+            if name in costmodel.ALGORITHMS else None
         # gTop-k's formula is its busiest rank's; every other algorithm's is symmetric.
         measured = max(mean_bytes) if name == "gtopk" else statistics.fmean(mean_bytes)
         out[name] = {**times, "bytes_sent_per_rank": statistics.fmean(mean_bytes),
@@ -197,11 +212,11 @@ def table(result: dict[str, Any]) -> str:
              f"({result['config']['gradient']}), density {result['config']['density']}, "
              f"network {result['config']['bandwidth'] or 'unshaped'}, backend "
              f"{result['config']['backend']}; medians over steps",
-             f"{'algorithm':10s} {'total s':>9s} {'select s':>9s} {'comm s':>9s} {'coding s':>9s} "
+             f"{'algorithm':16s} {'total s':>9s} {'select s':>9s} {'comm s':>9s} {'coding s':>9s} "
              f"{'MB/rank':>9s} {'vs formula':>10s} {'vs dense':>9s}"]
     for name, r in result["algorithms"].items():
         vs_formula = f"{r['bytes_vs_formula']:.3f}" if r["bytes_vs_formula"] else "-"
-        lines.append(f"{name:10s} {r['total_s']['median']:9.3f} {r['selection_s']['median']:9.3f} "
+        lines.append(f"{name:16s} {r['total_s']['median']:9.3f} {r['selection_s']['median']:9.3f} "
                      f"{r['comm_s']['median']:9.3f} {r['coding_s']['median']:9.3f} "
                      f"{r['bytes_sent_per_rank'] / 1e6:9.3f} {vs_formula:>10s} "
                      f"{r.get('time_vs_dense', float('nan')):9.3f}")

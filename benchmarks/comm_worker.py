@@ -21,6 +21,10 @@ from spardl_grace import CountingTransport, grace_from_params
 from spardl_grace.transport import Transport, default_transport
 
 STAT_TIMES = ("selection_s", "comm_s", "coding_s")
+# What PyTorch users run instead: DDP with torch's own hooks (experiments.baselines), by name.
+TORCH_HOOKS = {"torch_ddp": ("torch_ddp", 1), "torch_fp16": ("torch_fp16", 1),
+               "torch_powersgd1": ("torch_powersgd", 1), "torch_powersgd4": ("torch_powersgd", 4)}
+POWERSGD_START = 2  # the earliest step torch's PowerSGD hook compresses with error feedback
 
 
 def join(timeout: float) -> Transport:
@@ -124,6 +128,59 @@ def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
     return {"steps": steps, "messages": messages}
 
 
+class _Shapes(torch.nn.Module):
+    """Parameters of a model's layer shapes; the loss sum_p <p, g_p> makes backward produce the
+    given gradient g_p for each."""
+
+    def __init__(self, shapes: list[torch.Size], device: torch.device):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(s, device=device))
+                                              for s in shapes)
+
+    def forward(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p * g).sum() for p, g in zip(self.weights, grads))
+
+
+def time_torch_hook(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
+                    transport: Transport) -> dict[str, Any]:
+    """PyTorch's DDP with its own hook, on the real layer shapes of cfg['gradient']: each step's
+    backward produces this rank's gradient and DDP synchronises it through the hook during
+    backward (PowerSGD compresses from step POWERSGD_START on). The same backward
+    without DDP is timed beside it in every step, and the total is the difference: DDP's
+    bucket copies and the hook's work and communication, not the autograd pass that made the
+    gradient (which grc.step is spared too)."""
+    from experiments.baselines import TorchDDPSync
+    from experiments.models import build_model
+    device = grads[0].device
+    shapes = [p.shape for p in build_model(cfg["gradient"], 1, 10).parameters()]
+    baseline, rank = TORCH_HOOKS[name]
+    local = _Shapes(shapes, device)
+    ddp = TorchDDPSync(_Shapes(shapes, device), torch.optim.SGD([torch.zeros(1)], lr=0.0),
+                       baseline, powersgd_rank=rank, start_iter=POWERSGD_START)
+    steps = []
+    for i, grad in enumerate(grads):
+        parts = list(torch.split(grad, [s.numel() for s in shapes]))
+        parts = [g.view(s) for g, s in zip(parts, shapes)]
+        times = {}
+        for what, module in (("local", local), ("ddp", ddp.model)):
+            module.zero_grad()
+            transport.barrier(f"{name}.{what}.{i}")
+            start = time.perf_counter()
+            module(parts).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[what] = time.perf_counter() - start
+        sent = ddp.bytes_sent
+        ddp.step()
+        if i < cfg["warmup"]:
+            continue
+        total = max(times["ddp"] - times["local"], 0.0)
+        steps.append({"total_s": total, "selection_s": 0.0, "comm_s": total, "coding_s": 0.0,
+                      "bytes_sent": ddp.bytes_sent - sent,
+                      "stats": {"backward_s": times["local"], "ddp_backward_s": times["ddp"]}})
+    return {"steps": steps, "messages": []}
+
+
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)
@@ -135,7 +192,8 @@ def main(config_path: str) -> None:
     grads = gradients(cfg, rank, cfg["warmup"] + cfg["repeat"])
     out = {"rank": rank, "numel": grads[0].numel(), "link": link, "algorithms": {}}
     for name in cfg["algorithms"]:
-        out["algorithms"][name] = time_algorithm(name, cfg, grads, transport)
+        timer = time_torch_hook if name in TORCH_HOOKS else time_algorithm
+        out["algorithms"][name] = timer(name, cfg, grads, transport)
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out))
     transport.barrier("done")
     if "RANK" in os.environ and "HOROVOD_RANK" not in os.environ:

@@ -51,7 +51,7 @@ def time_vs(results: list[dict[str, Any]], key: str, xlabel: str, path: Path, lo
 
 
 def bytes_vs_algorithm(result: dict[str, Any], path: Path) -> None:
-    names = list(result["algorithms"])
+    names = [n for n, r in result["algorithms"].items() if r["formula_bytes"] is not None]
     measured = [result["algorithms"][n]["bytes_sent_per_rank"] / 1e6 for n in names]
     formula = [result["algorithms"][n]["formula_bytes"] / 1e6 for n in names]
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -46,6 +46,8 @@ def calibration_records(results: list[dict[str, Any]]) -> dict[str, list[dict[st
     for res in results:
         size, teams = res["config"]["workers"], res["config"]["teams"]
         for name, alg in res["algorithms"].items():
+            if name not in costmodel.ALGORITHMS:
+                continue  # PyTorch's hooks: no trace of messages to model
             records.setdefault(name, []).extend(
                 {"size": size, "teams": teams, "stats": s} for rank in alg["stats"] for s in rank)
     return records
@@ -60,6 +62,8 @@ def validate(results: list[dict[str, Any]], cal_by_density: dict) -> list[dict[s
         net = Network(alpha=res["link"]["alpha"], beta=res["link"]["beta"])
         cal = cal_by_density[(numel, cfg["density"])]
         for name, alg in res["algorithms"].items():
+            if name not in costmodel.ALGORITHMS:
+                continue
             trace = costmodel.ops_from_messages([Message(*m) for m in alg["messages_rank0"]], size)
             from_trace = costmodel.predict_seconds(trace, 0, size, net)
             schedule = costmodel.synthesize(name, numel, size, cfg["density"], cfg["teams"], cal)

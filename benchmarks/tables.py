@@ -21,9 +21,10 @@ def comm_table(result: dict[str, Any]) -> str:
              "| algorithm | total s | selection s | comm s | coding s | MB/rank | vs formula | vs dense |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in result["algorithms"].items():
+        vs_formula = f"{r['bytes_vs_formula']:.3f}" if r["bytes_vs_formula"] else "-"
         lines.append(f"| {name} | {r['total_s']['median']:.3f} | {r['selection_s']['median']:.3f} | "
                      f"{r['comm_s']['median']:.3f} | {r['coding_s']['median']:.3f} | "
-                     f"{r['bytes_sent_per_rank'] / 1e6:.3f} | {r['bytes_vs_formula']:.3f} | "
+                     f"{r['bytes_sent_per_rank'] / 1e6:.3f} | {vs_formula} | "
                      f"{r.get('time_vs_dense', float('nan')):.2f} |")
     return "\n".join(lines) + "\n"
 

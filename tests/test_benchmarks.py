@@ -154,6 +154,24 @@ def test_comm_benchmark_on_a_real_model_gradient(tmp_path):
     assert result["numel"] == 18_378
 
 
+def test_comm_benchmark_runs_pytorchs_own_hooks_beside_the_library(tmp_path):
+    """DDP with torch's all-reduce, fp16 and PowerSGD hooks on FashionCNN's layer shapes, in the
+    same run as SparDL; their bytes are what the hooks all-reduce."""
+    from spardl_grace.transport.counting import ring_allreduce_bytes
+    hooks = ["torch_ddp", "torch_fp16", "torch_powersgd1"]
+    result = _small(tmp_path, "--gradient", "fashioncnn", "--warmup", "3",
+                    "--algorithms", ",".join(["spardl", *hooks]))
+    runs = result["algorithms"]
+    assert list(runs) == ["spardl", *hooks]
+    n = result["numel"]
+    assert runs["torch_ddp"]["bytes_sent_per_rank"] == ring_allreduce_bytes(4 * n, 3)
+    assert runs["torch_fp16"]["bytes_sent_per_rank"] == ring_allreduce_bytes(2 * n, 3)
+    assert 0 < runs["torch_powersgd1"]["bytes_sent_per_rank"] < runs["torch_fp16"]["bytes_sent_per_rank"]
+    for name in hooks:
+        assert runs[name]["bytes_vs_formula"] is None and runs[name]["total_s"]["median"] >= 0
+        assert all(s["ddp_backward_s"] > 0 for rank in runs[name]["stats"] for s in rank)
+
+
 @pytest.mark.parametrize("backend", ["mpi", "horovod"])
 def test_comm_benchmark_under_mpirun_and_horovodrun(tmp_path, backend):
     from conftest import require
@@ -176,6 +194,9 @@ def test_comm_benchmark_with_a_codec_sends_fewer_bytes(tmp_path):
     (["--bandwidth", "fast"], "kbit, mbit, gbit"),
     (["--bandwidth", "1gbit", "--backend", "mpi"], "gloo only"),
     (["--codec", "{bad"], "not JSON"),
+    (["--algorithms", "torch_fp16"], "--gradient MODEL"),
+    (["--algorithms", "torch_ddp", "--gradient", "vgg16", "--backend", "mpi"], "--backend gloo"),
+    (["--algorithms", "torch_powersgd4", "--gradient", "vgg16"], "--warmup >= 3"),
 ])
 def test_comm_benchmark_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
