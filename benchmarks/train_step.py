@@ -127,13 +127,13 @@ def table(result: dict[str, Any]) -> str:
     if not result["emulated"]:
         lines.append(f"loopback only: {result['why_not_emulated']}")
     for network, rows in result["networks"].items():
-        lines.append(f"\n{network}:\n{'algorithm':<22}{'s/step':>9}{'MB/step':>9}{'wire s':>8}"
+        lines.append(f"\n{network}:\n{'algorithm':<26}{'s/step':>9}{'MB/step':>9}{'wire s':>8}"
                      f"{'vs DDP':>8}")
         ddp = rows.get("ddp", {}).get("step_s")
         for name, r in rows.items():
             wire = f"{r['wire_s_of_bytes']:.3f}" if r["wire_s_of_bytes"] is not None else "-"
             vs = f"{r['step_s'] / ddp:.2f}" if ddp else "-"
-            lines.append(f"{compare.LABELS[name]:<22}{r['step_s']:>9.3f}"
+            lines.append(f"{compare.LABELS[name]:<26}{r['step_s']:>9.3f}"
                          f"{r['bytes_per_step'] / 1e6:>9.3f}{wire:>8}{vs:>8}")
     return "\n".join(lines)
 

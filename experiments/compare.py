@@ -42,13 +42,18 @@ ALGORITHMS: dict[str, list[str]] = {
     # DGC's own warm-up (from density 0.25), which the training CLI's default (from 0.0625) replaced
     "spardl_dgcwarmup": ["--compression", "--compressor", "spardl", "--density-warmup-start", "0.25"],
     "spardl_002": ["--compression", "--compressor", "spardl", "--density", "0.02"],  # overrides --density
+    "spardl_0005": ["--compression", "--compressor", "spardl", "--density", "0.005"],
+    # fp16 values (DeepReduce's value codec): 0.75 of the bytes; senders keep the rounding error
+    "spardl_fp16": ["--compression", "--compressor", "spardl", "--deepreduce", "value",
+                    "--value", "fp16"],
 }
-SPARSE_ALGORITHMS = ("spardl", "spardl_d2", "spardl_dgcwarmup", "spardl_002", "topka", "topkdsa",
-                     "gtopk", "oktopk")
+SPARSE_ALGORITHMS = ("spardl", "spardl_d2", "spardl_dgcwarmup", "spardl_002", "spardl_0005",
+                     "spardl_fp16", "topka", "topkdsa", "gtopk", "oktopk")
 LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD hook rank 1",
           "powersgd4": "PowerSGD hook rank 4", "dense": "dense (this library)",
           "spardl": "SparDL", "spardl_d2": "SparDL d=2", "spardl_nowarmup": "SparDL, no warm-up",
           "spardl_dgcwarmup": "SparDL, DGC's warm-up", "spardl_002": "SparDL at density 0.02",
+          "spardl_0005": "SparDL at density 0.005", "spardl_fp16": "SparDL, fp16 values",
           "topka": "TopkA", "topkdsa": "TopkDSA", "gtopk": "gTop-k", "oktopk": "Ok-Topk"}
 
 
