@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Reproduces every benchmark table and plot of the README into benchmarks/results/ (about 45
+# Reproduces every benchmark table and plot of the README into benchmarks/results/ (about 60
 # minutes on 2 CPU cores; network emulation needs root). Set up on a fresh machine first by
 # scripts/setup_env.sh, which this calls.
 #   1. VGG-16's real gradient (14.7M entries), 4 workers, density 0.01, every algorithm, on an
-#      emulated 1 Gbit and 100 Mbit network and unshaped (loopback)
+#      emulated 1 Gbit and 100 Mbit network (with PyTorch's DDP, fp16 and PowerSGD hooks in the
+#      same runs) and unshaped (loopback); whole training steps against PyTorch's hooks
 #   2. P = 2, 3, 4, 6, 8 on the emulated 1 Gbit network (4M entries): time against workers, and the
 #      simulator's validation set
 #   3. density 0.001 .. 0.1 at 4 workers, 1 Gbit
@@ -16,10 +17,14 @@ PY="$VENV/bin/python"
 R=${RESULTS:-$ROOT/benchmarks/results}
 mkdir -p "$R"
 cd "$ROOT"
+HOOKS=torch_ddp,torch_fp16,torch_powersgd1,torch_powersgd4
 for net in 1gbit 100mbit; do
-    "$PY" -m benchmarks.comm --gradient vgg16 --workers 4 --density 0.01 --repeat 10 \
+    "$PY" -m benchmarks.comm --gradient vgg16 --workers 4 --density 0.01 --repeat 10 --warmup 3 \
+        --algorithms "dense,topka,topkdsa,gtopk,oktopk,spardl,$HOOKS" \
         --bandwidth "$net" --json "$R/comm_vgg16_$net.json"
 done
+"$PY" -m benchmarks.train_step --dnn vgg16 --batch-size 8 --steps 10 --skip 3 \
+    --json "$R/train_step_vgg16.json"
 "$PY" -m benchmarks.comm --gradient vgg16 --workers 4 --density 0.01 --repeat 10 \
     --json "$R/comm_vgg16_loopback.json"
 for p in 2 3 4 6 8; do
