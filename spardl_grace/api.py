@@ -78,6 +78,11 @@ class Compressor(ABC):
         self._steps = dict(state.get("steps", {}))
 
 
+def communication_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision gradients are synchronised (and their residuals kept) in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 class Memory(ABC):
     """Error feedback: what was not sent in one step is added back in the next."""
 

@@ -22,10 +22,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .api import Communicator
+from .api import Communicator, communication_dtype
 from .buffers import BufferPool
 from .fusion import assign_grads, flatten_grads
-from .sync import Bucket, GradientSync, communication_dtype
+from .sync import Bucket, GradientSync
 
 
 def plan_buckets(named: list[tuple[str, torch.nn.Parameter]],
@@ -82,6 +82,8 @@ class _BucketSlot:
         self.params = [p for _, p in members]
         self.bucket = Bucket(tuple(n for n, _ in members), tuple(p.numel() for p in self.params))
         self.dtype = communication_dtype(self.params[0].dtype)
+        # Gradients already in the communication dtype are flattened into a pooled buffer.
+        self.flattens_in_place = all(p.dtype == self.dtype for p in self.params)
         self.ready = 0
 
 
@@ -141,7 +143,7 @@ class _DistributedOptimizer:
 
     def _launch(self, slot: _BucketSlot) -> None:
         out = self._flat_pool.take(slot.bucket.key, slot.bucket.numel, slot.dtype,
-                                   slot.params[0].device)
+                                   slot.params[0].device) if slot.flattens_in_place else None
         flat = flatten_grads(slot.params, slot.dtype, out)
         if self._executor is not None:
             self._pending.append(self._executor.submit(self._sync.synchronize, flat, slot.bucket))

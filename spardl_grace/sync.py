@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .api import Communicator, Memory
+from .api import Communicator, Memory, communication_dtype
 from .communicators.dense import Dense
 from .compressors.none import NoneCompressor
 from .memories.none import NoneMemory
@@ -48,11 +48,6 @@ class Bucket:
         """Stable across processes and runs: the first name, the count and a digest of all."""
         digest = hashlib.sha1("\0".join(self.names).encode()).hexdigest()[:10]
         return f"bucket[{self.names[0]}+{len(self.names) - 1}]{digest}"
-
-
-def communication_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Half-precision gradients are synchronised (and their residuals kept) in float32."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

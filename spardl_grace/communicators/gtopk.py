@@ -231,9 +231,10 @@ class GTopk(CodedAllreduce):
             else:
                 self._send_to(None, None, f"final.{key}", stats, "final")
             return final_set.indices, final_set.values, final_set.credit
-        size = self._set_size(count_for_ratio(n, self.density), own_vals.dtype)
+        k = count_for_ratio(n, self.density)
+        size = self._set_size(k, own_vals.dtype)
         if size is not None:  # the set and a bit per entry, framed
-            size += bitpack.packed_size(count_for_ratio(n, self.density), 1) + frame_overhead(2)
+            size += bitpack.packed_size(k, 1) + frame_overhead(2)
         got = self._send_to(me - p, None, f"final.{key}", stats, "final", size)
         idx, vals, folded = self._split_final(got, n, own_vals.dtype, own_vals.device, key)
         credit = torch.where(folded, realign(own_idx, own_vals, idx), torch.zeros_like(vals))

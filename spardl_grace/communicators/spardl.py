@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..api import Compressor, Memory
+from ..api import Compressor, Memory, communication_dtype
 from ..compressors._sparse import topk_abs
 from ..payload import PayloadCodec
 from ..transport import Transport
@@ -89,8 +89,8 @@ class SparDL(CodedAllreduce):
         if n == 0:
             return None
         block, _ = self.block_layout(n)
-        dtype = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
-        working = self._working_buffer(name, self.team_size * block, dtype, tensor.device)
+        working = self._working_buffer(name, self.team_size * block,
+                                       communication_dtype(tensor.dtype), tensor.device)
         self._prepared[name] = working
         return working[:n]
 

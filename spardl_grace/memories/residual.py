@@ -28,12 +28,8 @@ import math
 
 import torch
 
-from ..api import Memory
+from ..api import Memory, communication_dtype
 from ..buffers import BufferPool
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 class ResidualMemory(Memory):
@@ -57,7 +53,7 @@ class ResidualMemory(Memory):
 
     def _compensate(self, tensor: torch.Tensor, name: str,
                     out: torch.Tensor | None) -> torch.Tensor:
-        tensor = _wide(tensor)
+        tensor = tensor.to(communication_dtype(tensor.dtype))
         if self.local_clip_norm is not None:
             tensor = self._clip(tensor)
         if self.momentum_correction:
@@ -67,18 +63,18 @@ class ResidualMemory(Memory):
                 tensor = torch.add(tensor, velocity, alpha=self.momentum_correction)
             self._new_velocity[name] = tensor
         residual = self.residuals.get(name)
-        if residual is not None:
+        if residual is None:
+            compensated = tensor if self.gamma == 1.0 else self.gamma * tensor
+        elif self.beta == 1.0 and self.gamma == 1.0:
             self._check_shape("residual", name, residual, tensor)
-        if residual is not None and self.beta == 1.0 and self.gamma == 1.0:
             dtype = torch.result_type(residual, tensor)
             if out is None or out.dtype != dtype:
                 # A buffer released by an earlier step: no gradient-sized allocation.
                 out = self._pool.take(f"compensated.{name}", tensor.numel(), dtype,
                                       tensor.device).view(tensor.shape)
             return torch.add(residual, tensor, out=out)  # one pass instead of three
-        if residual is None:
-            compensated = tensor if self.gamma == 1.0 else self.gamma * tensor
         else:
+            self._check_shape("residual", name, residual, tensor)
             compensated = self.beta * residual + self.gamma * tensor
         if out is None or out.dtype != compensated.dtype:
             return compensated
