@@ -27,6 +27,13 @@ TORCH_HOOKS = {"torch_ddp": ("torch_ddp", 1), "torch_fp16": ("torch_fp16", 1),
 POWERSGD_START = 2  # the earliest step torch's PowerSGD hook compresses with error feedback
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (nothing to wait for on a CPU), so that a host
+    clock read after it times that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def join(timeout: float) -> Transport:
     """The transport of whichever launcher started us."""
     from experiments.main_trainer import launcher
@@ -116,8 +123,7 @@ def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
         transport.barrier(f"{name}.{i}")
         start = time.perf_counter()
         grc.step(own, "grad")
-        if grad.is_cuda:
-            torch.cuda.synchronize(grad.device)
+        synchronize(grad.device)
         total = time.perf_counter() - start
         if i < cfg["warmup"]:
             continue
@@ -159,16 +165,14 @@ def time_torch_hook(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
                        baseline, powersgd_rank=rank, start_iter=POWERSGD_START)
     steps = []
     for i, grad in enumerate(grads):
-        parts = list(torch.split(grad, [s.numel() for s in shapes]))
-        parts = [g.view(s) for g, s in zip(parts, shapes)]
+        parts = [g.view(s) for g, s in zip(torch.split(grad, [s.numel() for s in shapes]), shapes)]
         times = {}
         for what, module in (("local", local), ("ddp", ddp.model)):
             module.zero_grad()
             transport.barrier(f"{name}.{what}.{i}")
             start = time.perf_counter()
             module(parts).backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             times[what] = time.perf_counter() - start
         sent = ddp.bytes_sent
         ddp.step()

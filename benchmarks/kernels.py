@@ -20,16 +20,10 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.comm import machine, write_json
+from benchmarks.comm_worker import synchronize
 from deepreduce_compat.codec import codec_from_params
 from spardl_grace.compressors._sparse import count_for_ratio, topk_abs
 from spardl_grace.payload import IdentityCodec
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on `device` (nothing to wait for on a CPU), so that a host
-    clock read after it times that work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def benchmark_device(parser: argparse.ArgumentParser, text: str) -> torch.device:
