@@ -12,8 +12,12 @@ its slowest rank (a barrier precedes each step); its communication time is that 
 that waited least for the others, the best estimate of the time on the wire. Recorded per algorithm: median, quartiles and
 range of the total, selection, communication and coding seconds; bytes sent per rank against
 the cost formula (benchmarks.costmodel); the ratio of its time to dense's; rank 0's message
-trace and every rank's step statistics (the simulator's input). --bandwidth runs the ranks in
-network namespaces whose links tc shapes to that rate (benchmarks.netem; root only).
+trace and every rank's step statistics (the simulator's input); `replay_s`, the same step's
+messages sent again with no computation between them (the communication alone, which
+comm_s exceeds by the waits for peers still computing); and, before the algorithms, probes of
+every op kind the cost model knows at this P (`probes`, benchmarks.costmodel.probe_op).
+--bandwidth runs the ranks in network namespaces whose links tc shapes to that rate
+(benchmarks.netem; root only).
 
 What PyTorch users run instead runs in the same run (--gradient MODEL, gloo): torch_ddp,
 torch_fp16, torch_powersgd1 and torch_powersgd4 are DDP with torch's own all-reduce, fp16 and
@@ -175,6 +179,10 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
             if name in costmodel.ALGORITHMS else None
         # gTop-k's formula is its busiest rank's; every other algorithm's is symmetric.
         measured = max(mean_bytes) if name == "gtopk" else statistics.fmean(mean_bytes)
+        replays = [r["algorithms"][name].get("replay_s") for r in ranks]
+        if all(replays):
+            times["replay_s"] = spread([min(rank[i] for rank in replays)
+                                        for i in range(len(replays[0]))])
         out[name] = {**times, "bytes_sent_per_rank": statistics.fmean(mean_bytes),
                      "bytes_sent_max_rank": max(mean_bytes), "formula_bytes": formula,
                      "bytes_vs_formula": measured / formula if formula else None,
@@ -204,7 +212,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.workers)]
     config = {k: v for k, v in vars(args).items() if k != "json"}
     return {"machine": machine(), "config": config, "numel": ranks[0]["numel"],
-            "link": ranks[0]["link"], "algorithms": summarise(ranks, args)}
+            "link": ranks[0]["link"], "probes": ranks[0]["probes"],
+            "algorithms": summarise(ranks, args)}
 
 
 def table(result: dict[str, Any]) -> str:

@@ -1,8 +1,9 @@
 """One rank of benchmarks.comm: `python -m benchmarks.comm_worker CONFIG.json`.
 
 Joins the launcher's ranks (env:// for gloo, mpirun, horovodrun), measures the link (alpha and
-beta between ranks 0 and 1), makes the gradients, then times every algorithm in turn on the
-same gradients and writes OUT/rank{r}.json. Started by benchmarks.comm, not by hand.
+beta between ranks 0 and 1) and times probes shaped like each op kind of the cost model at
+this P, makes the gradients, then times every algorithm in turn on the same gradients and
+writes OUT/rank{r}.json. Started by benchmarks.comm, not by hand.
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from typing import Any
 
 import torch
 
+from benchmarks.costmodel import KINDS, probe_op
 from spardl_grace import CountingTransport, grace_from_params
 from spardl_grace.transport import Transport, default_transport
+from spardl_grace.transport.counting import Message
 
 STAT_TIMES = ("selection_s", "comm_s", "coding_s")
 # What PyTorch users run instead: DDP with torch's own hooks (experiments.baselines), by name.
@@ -109,10 +112,98 @@ def measure_link(transport: Transport, repeat: int = 30, nbytes: int = 16 << 20)
     return {"alpha": float(shared[0]), "beta": float(shared[1])}
 
 
+PROBE_BYTES = (4, 1 << 16, 1 << 20, 16 << 20)  # from one word to a dense VGG-16 layer's size
+
+
+def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> None:
+    """Run the transport op that costmodel.probe_op(kind, nbytes, P) describes."""
+    op = probe_op(kind, nbytes, transport.size, transport.rank)
+    rank, size = transport.rank, transport.size
+    if kind == "p2p":
+        entries = op.sent // 4
+        transport.sendrecv(torch.zeros(entries), (rank + 1) % size, (rank - 1) % size, name,
+                           recv_numel=entries)
+    elif kind == "allgather":
+        transport.allgather(torch.zeros(op.sent // (4 * (size - 1))), name)
+    elif kind == "alltoall":
+        transport.alltoall([torch.zeros(op.sent // (4 * (size - 1)))] * size, name)
+    elif kind == "allreduce":
+        transport.allreduce(torch.zeros(op.size // 4), name)
+    else:
+        transport.broadcast(torch.zeros(op.size // 4), 0, name)
+
+
+def probe_ops(transport: Transport, sizes: tuple[int, ...] = PROBE_BYTES,
+              repeat: int = 3) -> dict[str, list[list[float]]]:
+    """Seconds of every op kind (costmodel.KINDS) at this P for each size in `sizes` (in the
+    cost model's measure of that kind): per kind [nbytes, seconds] pairs, the median over
+    `repeat` runs of the fastest rank's time (the same convention as comm_s). Every rank
+    returns the same figures."""
+    samples = []
+    for kind in KINDS:
+        for nbytes in sizes:
+            for i in range(repeat):
+                name = f"probe.{kind}.{nbytes}.{i}"
+                transport.barrier(name)
+                start = time.perf_counter()
+                run_probe(transport, kind, nbytes, name)
+                samples.append(time.perf_counter() - start)
+    every = transport.allgather(torch.tensor(samples, dtype=torch.float64), "probe.times")
+    fastest = torch.stack(every).min(dim=0).values.view(len(KINDS), len(sizes), repeat)
+    return {kind: [[nbytes, float(fastest[k, j].median())] for j, nbytes in enumerate(sizes)]
+            for k, kind in enumerate(KINDS)}
+
+
+def replay(transport: Transport, messages: list[Message]) -> None:
+    """Send and receive exactly the messages of a recorded step (this rank's CountingTransport
+    trace), with no computation between them: the step's communication alone. Every rank
+    replays its own trace, so the ops match up as they did in the step."""
+    size, i = transport.size, 0
+    while i < len(messages):
+        m = messages[i]
+        name = f"replay.{i}"
+        if m.op in ("send", "recv"):
+            send, recv = (m, messages[i + 1]) if m.op == "send" else (messages[i + 1], m)
+            transport.sendrecv(torch.zeros(send.bytes_sent, dtype=torch.uint8), send.peer,
+                               recv.peer, name, recv_numel=recv.bytes_received)
+            i += 2
+            continue
+        if m.op == "alltoall":
+            peers = {}
+            while i < len(messages) and messages[i].op == "alltoall" and messages[i].name == m.name:
+                peers[messages[i].peer] = messages[i].bytes_sent
+                i += 1
+            transport.alltoall([torch.zeros(peers.get(p, 0), dtype=torch.uint8)
+                                for p in range(size)], name)
+            continue
+        if m.op == "allgather":
+            transport.allgather(torch.zeros(m.bytes_sent // (size - 1), dtype=torch.uint8), name)
+        elif m.op == "allreduce":
+            nbytes = m.bytes_sent * size // (2 * (size - 1))
+            transport.allreduce(torch.zeros(nbytes, dtype=torch.uint8), name)
+        elif m.op == "broadcast":
+            root = transport.rank if m.peer < 0 else m.peer
+            nbytes = m.bytes_received or m.bytes_sent // (size - 1)
+            transport.broadcast(torch.zeros(nbytes, dtype=torch.uint8), root, name)
+        i += 1
+
+
+def time_replay(transport: Transport, messages: list[Message], repeat: int) -> list[float]:
+    """This rank's seconds for each of `repeat` replays of a step's trace, each after a barrier."""
+    times = []
+    for i in range(repeat):
+        transport.barrier(f"replay.{i}")
+        start = time.perf_counter()
+        replay(transport, messages)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
                    transport: Transport) -> dict[str, Any]:
     """Warm-up steps, then `repeat` timed steps; per step this rank's seconds and bytes, and the
-    last step's message trace and statistics."""
+    last step's message trace and statistics; then that trace replayed `repeat` times
+    (`replay_s`, communication without the computation between messages)."""
     counting = CountingTransport(transport)
     grc = grace_from_params(algorithm_params(name, cfg["density"], cfg["teams"], cfg["codec"]),
                             transport=counting)
@@ -130,8 +221,10 @@ def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
         stats = dict(grc.last_stats)
         steps.append({"total_s": total, **{k: float(stats.get(k, 0.0)) for k in STAT_TIMES},
                       "bytes_sent": counting.bytes_sent, "stats": stats})
-    messages = [[m.op, m.name, m.peer, m.bytes_sent, m.bytes_received] for m in counting.messages]
-    return {"steps": steps, "messages": messages}
+    trace = list(counting.messages)
+    messages = [[m.op, m.name, m.peer, m.bytes_sent, m.bytes_received] for m in trace]
+    return {"steps": steps, "messages": messages,
+            "replay_s": time_replay(transport, trace, cfg["repeat"])}
 
 
 class _Shapes(torch.nn.Module):
@@ -193,8 +286,10 @@ def main(config_path: str) -> None:
     if transport.size != cfg["workers"]:
         raise SystemExit(f"launched {transport.size} ranks, the config says {cfg['workers']}")
     link = measure_link(transport)
+    probes = probe_ops(transport)
     grads = gradients(cfg, rank, cfg["warmup"] + cfg["repeat"])
-    out = {"rank": rank, "numel": grads[0].numel(), "link": link, "algorithms": {}}
+    out = {"rank": rank, "numel": grads[0].numel(), "link": link, "probes": probes,
+           "algorithms": {}}
     for name in cfg["algorithms"]:
         timer = time_torch_hook if name in TORCH_HOOKS else time_algorithm
         out["algorithms"][name] = timer(name, cfg, grads, transport)

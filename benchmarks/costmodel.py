@@ -16,10 +16,16 @@ Costs per op (bytes b, P ranks, link parameters alpha, beta in s and s/byte):
   alltoall         per link class: peers * alpha + beta * max(sent, received); classes overlap
   allgather        ceil(log2 P) alpha + beta * received          (Bruck)
   allreduce        the cheaper of ring, 2(P-1) alpha + beta * 2b(P-1)/P, and recursive
-                   doubling, ceil(log2 P) (alpha + beta b), as MPI libraries choose
+                   doubling, ceil(log2 P) (alpha + beta b), as MPI libraries choose; a network
+                   with allreduce='ring' (gloo's choice) always takes the ring
   broadcast        ceil(log2 P) alpha + beta * b                 (scatter + all-gather)
 An algorithm's time is the sum over the ops of its slowest rank: ranks move in lock step, and
 the model ignores waiting for a peer that is still computing.
+
+A measured network can carry its own alpha and beta per op kind (`Network.per_kind`), fitted by
+`fit_kind` to probes shaped like that op (`probe_op`; benchmarks.comm times them at the run's
+P): one pair for every kind cannot describe a tbf-shaped link, on which a ring all-reduce
+streams at about twice the rate of a pairwise exchange.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from spardl_grace.compressors._sparse import count_for_ratio
 from spardl_grace.payload import frame_overhead
 
 ALGORITHMS = ("dense", "topka", "topkdsa", "gtopk", "oktopk", "spardl")
+KINDS = ("p2p", "alltoall", "allgather", "allreduce", "broadcast")
 FP32 = 4
 ENTRY = 8  # an int32 index and a float32 value
 RADIX_ROUNDS = 32 // RADIX_BITS  # digits of a float32 magnitude in Ok-Topk's radix select
@@ -54,21 +61,30 @@ class Op:
 class Network:
     """alpha (s per message) and beta (s per byte) between nodes; with ranks_per_node > 1,
     ranks r and s share a node when r // ranks_per_node == s // ranks_per_node and talk with
-    alpha_intra and beta_intra. Collectives spanning nodes use the inter-node parameters."""
+    alpha_intra and beta_intra. Collectives spanning nodes use the inter-node parameters.
+    per_kind: (alpha, beta) of the op kinds (KINDS) that differ from the link's, between
+    nodes. allreduce: 'best' (the cheaper of ring and recursive doubling, as MPI chooses) or
+    'ring' (as gloo runs it)."""
     alpha: float
     beta: float
     ranks_per_node: int = 1
     alpha_intra: float = 0.0
     beta_intra: float = 0.0
+    per_kind: dict[str, tuple[float, float]] = field(default_factory=dict)
+    allreduce: str = "best"
 
     @classmethod
     def from_bandwidth(cls, gbit_per_s: float, alpha: float, **hierarchy: float) -> "Network":
         return cls(alpha=alpha, beta=8.0 / (gbit_per_s * 1e9), **hierarchy)
 
-    def link(self, rank: int, peer: int) -> tuple[float, float]:
+    def params(self, kind: str) -> tuple[float, float]:
+        """(alpha, beta) of an op of `kind` between nodes."""
+        return self.per_kind.get(kind, (self.alpha, self.beta))
+
+    def link(self, rank: int, peer: int, kind: str = "p2p") -> tuple[float, float]:
         if self.ranks_per_node > 1 and rank // self.ranks_per_node == peer // self.ranks_per_node:
             return self.alpha_intra, self.beta_intra
-        return self.alpha, self.beta
+        return self.params(kind)
 
 
 @dataclass
@@ -190,14 +206,14 @@ def _allreduce_tensor_bytes(volume: int, size: int) -> int:
 def op_seconds(op: Op, rank: int, size: int, net: Network) -> float:
     """The time of one op of `rank` under `net` (see the module docstring)."""
     spans_nodes = size > net.ranks_per_node
-    alpha, beta = (net.alpha, net.beta) if spans_nodes else (net.alpha_intra, net.beta_intra)
+    alpha, beta = net.params(op.kind) if spans_nodes else (net.alpha_intra, net.beta_intra)
     rounds = math.ceil(math.log2(size)) if size > 1 else 0
     if op.kind in ("p2p", "alltoall"):
         classes: dict[tuple[float, float], list[int]] = {}
         for peer, sent, received in op.parts:
             if peer == rank or peer < 0:
                 continue
-            entry = classes.setdefault(net.link(rank, peer), [0, 0, set()])
+            entry = classes.setdefault(net.link(rank, peer, op.kind), [0, 0, set()])
             entry[0] += sent
             entry[1] += received
             entry[2].add(peer)
@@ -209,6 +225,8 @@ def op_seconds(op: Op, rank: int, size: int, net: Network) -> float:
         return rounds * alpha + beta * op.received
     if op.kind == "allreduce":
         ring = 2 * (size - 1) * alpha + beta * 2 * op.size * (size - 1) / size
+        if net.allreduce == "ring":
+            return ring
         doubling = rounds * (alpha + beta * op.size)
         return min(ring, doubling)
     if op.kind == "broadcast":
@@ -219,6 +237,54 @@ def op_seconds(op: Op, rank: int, size: int, net: Network) -> float:
 def predict_seconds(ops: Sequence[Op], rank: int, size: int, net: Network) -> float:
     """Communication seconds of one rank's ops, one after the other."""
     return sum(op.weight * op_seconds(op, rank, size, net) for op in ops)
+
+
+# --------------------------------------------------------------------------- probes
+def probe_op(kind: str, nbytes: int, size: int, rank: int = 0) -> Op:
+    """The op that benchmarks.comm times to fit `kind`'s alpha and beta at P = size, with
+    `nbytes` in the model's measure of that kind: each rank's exchange with its ring
+    neighbours (p2p), the bytes a rank receives (allgather), sends to all others (alltoall),
+    or the tensor's bytes (allreduce, broadcast). Pieces are whole float32 entries."""
+    if size < 2:
+        raise ValueError("probes need at least 2 ranks")
+    piece = FP32 * max(1, nbytes // (FP32 * (size - 1)))
+    whole = FP32 * max(1, nbytes // FP32)
+    if kind == "p2p":
+        return _p2p(rank, (rank + 1) % size, (rank - 1) % size, whole, whole)
+    if kind == "allgather":
+        return Op("allgather", piece * (size - 1), piece * (size - 1))
+    if kind == "alltoall":
+        return Op("alltoall", piece * (size - 1), piece * (size - 1),
+                  tuple((p, piece, piece) for p in range(size) if p != rank))
+    if kind == "allreduce":
+        return _allreduce(whole, size)
+    if kind == "broadcast":
+        return Op("broadcast", whole * (size - 1) if rank == 0 else 0,
+                  0 if rank == 0 else whole, size=whole)
+    raise ValueError(f"unknown op kind {kind!r}; valid choices: {', '.join(KINDS)}")
+
+
+def fit_kind(samples: Sequence[tuple[Op, int, float]]) -> tuple[float, float]:
+    """(alpha, beta) of one op kind on a flat network, from (op, P, measured seconds) probes:
+    the non-negative pair that minimises the squared relative error of the prediction (small
+    and large probes weigh alike; all-reduces as rings, as gloo runs them)."""
+    rows = []
+    for op, size, seconds in samples:
+        latency = op_seconds(op, 0, size, Network(1.0, 0.0, allreduce="ring"))
+        volume = op_seconds(op, 0, size, Network(0.0, 1.0, allreduce="ring"))
+        rows.append((latency / seconds, volume / seconds))
+    sxx = sum(x * x for x, _ in rows)
+    syy = sum(y * y for _, y in rows)
+    sxy = sum(x * y for x, y in rows)
+    sx, sy = sum(x for x, _ in rows), sum(y for _, y in rows)
+    det = sxx * syy - sxy * sxy
+    if det > 0:
+        alpha, beta = (sx * syy - sy * sxy) / det, (sy * sxx - sx * sxy) / det
+        if alpha >= 0 and beta >= 0:
+            return alpha, beta
+    # The best fit needs a negative parameter: the best with one of them zero instead.
+    fits = [(sx / sxx if sxx else 0.0, 0.0), (0.0, sy / syy if syy else 0.0)]
+    return min(fits, key=lambda ab: sum((x * ab[0] + y * ab[1] - 1) ** 2 for x, y in rows))
 
 
 # --------------------------------------------------------------------------- schedules

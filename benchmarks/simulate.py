@@ -4,11 +4,17 @@
         --numel 14700000 --density 0.01 --json benchmarks/results/simulation.json
 
 Input: benchmarks.comm results (each holds rank 0's message trace, every rank's step
-statistics and the link's measured alpha and beta). Output:
-* validation: per input file and algorithm, the measured communication time (median of the
-  slowest rank) against the alpha-beta prediction from the recorded trace and from the
-  synthesized schedule (benchmarks.costmodel.synthesize, calibrated on the inputs), with the
-  relative errors;
+statistics, the link's measured alpha and beta, and probes of every op kind at the run's P).
+Output:
+* validation: per input file and algorithm, the measured communication time (comm_s's median)
+  against the alpha-beta prediction from the recorded trace and from the synthesized schedule
+  (benchmarks.costmodel.synthesize, calibrated on the inputs), with the relative errors. The
+  network of each run has an alpha and beta per op kind fitted to its probes
+  (costmodel.fit_kind); `single_pair_error` is the trace's error with the link's one pair for
+  every kind instead, as the model had it before the probes; `replay_error` is the trace's
+  error against the replayed trace (benchmarks.comm's replay_s: the same messages with no
+  computation between them), which isolates the network model from the waits for peers
+  still computing that comm_s also holds;
 * scaling: the predicted time of every algorithm for P = 2 .. --max-workers under each network
   model (the measured link, a 10 Gbit cluster and a hierarchical 8-ranks-per-node cluster);
 * teams: SparDL's time against d (teams) at 256 and 1024 workers.
@@ -26,11 +32,25 @@ from benchmarks.costmodel import Network
 from spardl_grace.transport.counting import Message
 
 
-def networks(link: dict[str, float]) -> dict[str, Network]:
+def measured_network(result: dict[str, Any]) -> Network:
+    """A benchmarks.comm run's network: its link's alpha and beta, with a pair per op kind
+    fitted to the run's probes (all-reduces as gloo's ring). Runs recorded before the probes
+    have the link's pair only."""
+    link, size = result["link"], result["config"]["workers"]
+    probes = result.get("probes")
+    if not probes:
+        return Network(alpha=link["alpha"], beta=link["beta"])
+    per_kind = {kind: costmodel.fit_kind([(costmodel.probe_op(kind, nbytes, size), size, seconds)
+                                          for nbytes, seconds in samples])
+                for kind, samples in probes.items()}
+    return Network(alpha=link["alpha"], beta=link["beta"], per_kind=per_kind, allreduce="ring")
+
+
+def networks(measured: Network) -> dict[str, Network]:
     """The network models predictions are made for. Only the first is measured; the others
     are assumed figures for common clusters (stated in the README)."""
     return {
-        "measured link": Network(alpha=link["alpha"], beta=link["beta"]),
+        "measured link": measured,
         "10 Gbit, alpha 20 us": Network.from_bandwidth(10, 20e-6),
         "8 per node (100 GB/s, 5 us) + 25 Gbit, 20 us": Network(
             alpha=20e-6, beta=8 / 25e9, ranks_per_node=8, alpha_intra=5e-6, beta_intra=1 / 100e9),
@@ -59,23 +79,34 @@ def validate(results: list[dict[str, Any]], cal_by_density: dict) -> list[dict[s
     for res in results:
         cfg = res["config"]
         size, numel = cfg["workers"], res["numel"]
-        net = Network(alpha=res["link"]["alpha"], beta=res["link"]["beta"])
+        net = measured_network(res)
+        single = Network(alpha=res["link"]["alpha"], beta=res["link"]["beta"])
         cal = cal_by_density[(numel, cfg["density"])]
         for name, alg in res["algorithms"].items():
             if name not in costmodel.ALGORITHMS:
                 continue
             trace = costmodel.ops_from_messages([Message(*m) for m in alg["messages_rank0"]], size)
             from_trace = costmodel.predict_seconds(trace, 0, size, net)
+            single_pair = costmodel.predict_seconds(trace, 0, size, single)
             schedule = costmodel.synthesize(name, numel, size, cfg["density"], cfg["teams"], cal)
             from_schedule = costmodel.predict_seconds(schedule, 0, size, net)
             measured = alg["comm_s"]["median"]
+            replayed = alg.get("replay_s", {}).get("median")
             rows.append({"file": Path(res["path"]).name, "workers": size, "numel": numel,
                          "bandwidth": cfg["bandwidth"], "algorithm": name,
                          "measured_comm_s": measured, "measured_total_s": alg["total_s"]["median"],
                          "trace_predicted_s": from_trace, "schedule_predicted_s": from_schedule,
                          "trace_error": from_trace / measured - 1 if measured else None,
-                         "schedule_error": from_schedule / measured - 1 if measured else None})
+                         "schedule_error": from_schedule / measured - 1 if measured else None,
+                         "single_pair_error": single_pair / measured - 1 if measured else None,
+                         "measured_replay_s": replayed,
+                         "replay_error": from_trace / replayed - 1 if replayed else None})
     return rows
+
+
+def _median_abs(errors) -> float | None:
+    known = [abs(e) for e in errors if e is not None]
+    return statistics.median(known) if known else None
 
 
 def scaling(numel: int, density: float, cal: costmodel.Calibration, nets: dict[str, Network],
@@ -121,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cal_by_density[key] = costmodel.calibrate(calibration_records(same), *key)
     rows = validate(results, cal_by_density)
     cal = costmodel.calibrate(records, results[0]["numel"], results[0]["config"]["density"])
-    nets = networks(results[0]["link"])
+    nets = networks(measured_network(results[0]))
     sizes = [2 ** i for i in range(1, args.max_workers.bit_length()) if 2 ** i <= args.max_workers]
     sizes = sorted(set(sizes) | {3, 6, 12, 24, 48, 96})
     out = {"inputs": [r["path"] for r in results], "numel": args.numel, "density": args.density,
@@ -130,15 +161,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "validation": rows,
            "validation_error": {
                "trace_median_abs": statistics.median(abs(r["trace_error"]) for r in rows),
-               "schedule_median_abs": statistics.median(abs(r["schedule_error"]) for r in rows)},
+               "schedule_median_abs": statistics.median(abs(r["schedule_error"]) for r in rows),
+               "single_pair_median_abs": statistics.median(abs(r["single_pair_error"])
+                                                           for r in rows),
+               "replay_median_abs": _median_abs(r["replay_error"] for r in rows)},
            "sizes": sizes, "scaling": scaling(args.numel, args.density, cal, nets, sizes),
            "teams": teams_sweep(args.numel, args.density, cal, nets)}
-    print(f"{'file':28s} {'P':>3s} {'algorithm':9s} {'measured':>9s} {'trace':>9s} {'schedule':>9s}")
+    print(f"{'file':28s} {'P':>3s} {'algorithm':9s} {'measured':>9s} {'replayed':>9s} "
+          f"{'trace':>9s} {'schedule':>9s}")
     for r in rows:
+        replayed = f"{r['measured_replay_s']:9.4f}" if r["measured_replay_s"] else f"{'-':>9s}"
         print(f"{r['file'][:28]:28s} {r['workers']:3d} {r['algorithm']:9s} {r['measured_comm_s']:9.4f} "
-              f"{r['trace_predicted_s']:9.4f} {r['schedule_predicted_s']:9.4f}")
-    print("median |error|: trace {trace_median_abs:.1%}, schedule {schedule_median_abs:.1%}"
-          .format(**out["validation_error"]))
+              f"{replayed} {r['trace_predicted_s']:9.4f} {r['schedule_predicted_s']:9.4f}")
+    err = out["validation_error"]
+    print(f"median |error| against comm_s: trace {err['trace_median_abs']:.1%}, schedule "
+          f"{err['schedule_median_abs']:.1%}, one alpha-beta pair for every op kind "
+          f"{err['single_pair_median_abs']:.1%}")
+    if err["replay_median_abs"] is not None:
+        print(f"median |error| of the trace against its replay: {err['replay_median_abs']:.1%}")
     for net_name, algs in out["scaling"].items():
         print(f"\n{net_name}: predicted seconds at P = 256 / 1024")
         for name, secs in algs.items():

@@ -120,6 +120,50 @@ def test_spardl_schedule_has_the_papers_message_count_and_words(size, density):
     assert costmodel.formula_bytes("spardl", n, size, density, teams, h) == pytest.approx(payload)
 
 
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(costmodel.KINDS), size=st.integers(2, 64),
+       alpha=st.floats(1e-6, 1e-2), beta=st.floats(1e-11, 1e-7))
+def test_fit_kind_recovers_the_alpha_and_beta_behind_probes(kind, size, alpha, beta):
+    """Probes timed on a network with these alpha and beta give them back, for every op kind
+    and P; the fitted pair then predicts a probe of another size exactly."""
+    net = Network(alpha, beta, allreduce="ring")
+    probes = [costmodel.probe_op(kind, nbytes, size) for nbytes in (4, 1 << 16, 1 << 20, 16 << 20)]
+    samples = [(op, size, costmodel.op_seconds(op, 0, size, net)) for op in probes]
+    fitted = costmodel.fit_kind(samples)
+    assert fitted == pytest.approx((alpha, beta), rel=1e-6)
+    other = costmodel.probe_op(kind, 3 << 20, size)
+    assert costmodel.op_seconds(other, 0, size, Network(*fitted, allreduce="ring")) == \
+        pytest.approx(costmodel.op_seconds(other, 0, size, net), rel=1e-6)
+
+
+def test_fit_kind_keeps_both_parameters_non_negative():
+    op_small, op_big = costmodel.probe_op("p2p", 4, 2), costmodel.probe_op("p2p", 1 << 20, 2)
+    # The large probe faster than the small one: no positive slope fits, latency only.
+    alpha, beta = costmodel.fit_kind([(op_small, 2, 2e-3), (op_big, 2, 1e-3)])
+    assert beta == 0 and alpha > 0
+
+
+def test_probes_measure_bytes_as_the_model_does():
+    volume = Network(0.0, 1.0, allreduce="ring")
+    for size in (2, 3, 8):
+        nbytes = 1 << 20
+        assert costmodel.op_seconds(costmodel.probe_op("p2p", nbytes, size), 0, size, volume) == nbytes
+        gathered = costmodel.op_seconds(costmodel.probe_op("allgather", nbytes, size), 0, size, volume)
+        assert nbytes - 4 * (size - 1) < gathered <= nbytes
+        assert costmodel.op_seconds(costmodel.probe_op("broadcast", nbytes, size), 0, size,
+                                    volume) == nbytes
+    with pytest.raises(ValueError, match="valid choices: p2p, alltoall"):
+        costmodel.probe_op("ring", 4, 2)
+
+
+def test_per_kind_parameters_apply_to_their_kind_only():
+    net = Network(alpha=1.0, beta=0.001, per_kind={"allreduce": (0.5, 0.0005)}, allreduce="ring")
+    reduce = Op("allreduce", 0, 0, size=8)  # a ring even where doubling would be cheaper
+    assert costmodel.op_seconds(reduce, 0, 4, net) == pytest.approx(6 * 0.5 + 0.0005 * 12)
+    p2p = Op("p2p", 1000, 1000, ((1, 1000, 0), (1, 0, 1000)))
+    assert costmodel.op_seconds(p2p, 0, 4, net) == pytest.approx(1 + 1)
+
+
 def test_formula_rejects_unknown_algorithms_naming_the_choices():
     with pytest.raises(ValueError, match="valid choices: dense, topka"):
         costmodel.formula_bytes("ring", 10, 2, 0.1)
@@ -147,6 +191,10 @@ def test_comm_benchmark_runs_every_algorithm_on_real_processes(tmp_path):
         assert r["messages_rank0"]
     assert result["algorithms"]["dense"]["time_vs_dense"] == 1.0
     assert result["link"]["alpha"] > 0 and result["link"]["beta"] > 0
+    assert list(result["probes"]) == list(costmodel.KINDS)
+    for kind, samples in result["probes"].items():
+        assert [nbytes for nbytes, _ in samples] == [4, 1 << 16, 1 << 20, 16 << 20], kind
+        assert all(seconds > 0 for _, seconds in samples), kind
 
 
 def test_comm_benchmark_on_a_real_model_gradient(tmp_path):
@@ -260,6 +308,9 @@ def test_simulator_validates_predicts_to_1024_and_plots(tmp_path):
     sim = simulate.main([str(f) for f in files] + ["--numel", "1000000", "--json",
                                                     str(tmp_path / "simulation.json")])
     assert len(sim["validation"]) == 2 * len(costmodel.ALGORITHMS)
+    assert all(r["single_pair_error"] is not None for r in sim["validation"])
+    fitted = sim["networks"]["measured link"]["per_kind"]
+    assert set(fitted) == set(costmodel.KINDS) and all(a >= 0 and b >= 0 for a, b in fitted.values())
     assert sim["sizes"][-1] == 1024
     for net in sim["scaling"].values():
         assert set(net) == set(costmodel.ALGORITHMS)
