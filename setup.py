@@ -1,11 +1,14 @@
 """Installs spardl_grace (the library), deepreduce_compat (payload codecs) and the
 experiments/benchmarks drivers. Run-time requirements are read from requirements/base.txt so
 the pin on the CPU torch wheel lives in one place."""
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
+# The one version string lives in the package; read, not imported (torch may not be installed yet).
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "spardl_grace" / "version.py").read_text())[1]
 
 
 def read_requirements(name: str) -> list[str]:
@@ -15,7 +18,7 @@ def read_requirements(name: str) -> list[str]:
 
 setup(
     name="spardl-grace",
-    version="0.1.0",
+    version=VERSION,
     description="Sparse, compressed gradient synchronisation (SparDL and peers) behind the GRACE API",
     long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
     long_description_content_type="text/markdown",

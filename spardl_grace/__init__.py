@@ -14,8 +14,7 @@ from .optimizer import DistributedOptimizer
 from .payload import IdentityCodec, PayloadCodec
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, grace_from_params, resolve_params
 from .transport import CountingTransport, Transport, TransportError, TransportTimeout, run_local
-
-__version__ = "0.1.0"
+from .version import __version__
 __all__ = ["Compressor", "Memory", "Communicator", "SparseAllreduce", "PayloadCodec",
            "IdentityCodec", "grace_from_params", "resolve_params", "COMPRESSORS", "MEMORIES",
            "COMMUNICATORS", "Transport", "TransportError", "TransportTimeout", "CountingTransport",

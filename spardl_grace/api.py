@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .agreement import agree, digest, settings_of
 from .transport import Transport
 
 
@@ -142,6 +143,9 @@ class Communicator(ABC):
     step), which saves a gradient-sized allocation per step."""
 
     reuse_results = False
+    #: attributes that differ between ranks by design (a rank's place in a schedule), left out
+    #: of the fingerprint the ranks agree on
+    RANK_LOCAL: tuple[str, ...] = ()
 
     def __init__(self, compressor: Compressor, memory: Memory, transport: Transport):
         self.compressor = compressor
@@ -151,6 +155,25 @@ class Communicator(ABC):
         compressor.bind(transport)
         memory.bind(transport)
         self.last_stats: dict[str, float] = {}
+        self._agreed: dict[str, int] = {}
+
+    def fingerprint(self, tensor: torch.Tensor, name: str) -> dict[str, Any]:
+        """What every rank must share to synchronise `tensor` under `name`: its numel, dtype
+        and device type, and the settings of this communicator, its compressor and memory."""
+        return {"name": name, "numel": tensor.numel(), "dtype": str(tensor.dtype),
+                "device": tensor.device.type,
+                "communicator": settings_of(self, self.RANK_LOCAL + ("world_size", "reuse_results")),
+                "compressor": settings_of(self.compressor), "memory": settings_of(self.memory)}
+
+    def agree(self, tensor: torch.Tensor, name: str) -> None:
+        """On the first step of `name`, and whenever its fingerprint changes here, check with
+        one small collective that every rank has the same fingerprint; ValueError on every
+        rank, naming the differing fields, if not (spardl_grace.agreement)."""
+        fields = self.fingerprint(tensor, name)
+        key = digest(fields)
+        if self._agreed.get(name) != key:
+            agree(self.transport, f"'{name}'", fields)
+            self._agreed[name] = key
 
     def step(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Return the synchronised (averaged unless the compressor says otherwise) tensor,
@@ -159,6 +182,7 @@ class Communicator(ABC):
         return self.receive_step(handles, ctx)
 
     def send_step(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
+        self.agree(tensor, name)
         compensated = self.memory.compensate(tensor, name)
         tensors, ctx = self.compressor.compress(compensated, name)
         self.memory.update(compensated, name, self.compressor, tensors, ctx)
@@ -219,6 +243,7 @@ class SparseAllreduce(Communicator):
         self.density = float(density)
 
     def send_step(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
+        self.agree(tensor, name)
         buffer = self.compensation_buffer(tensor, name)
         if buffer is None:
             compensated = self.memory.compensate(tensor, name)

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .agreement import agree
 from .api import Communicator, Memory, communication_dtype
 from .communicators.dense import Dense
 from .compressors.none import NoneCompressor
@@ -117,6 +118,10 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
 class GradientSync:
     """Synchronises the buckets of one model with a grace communicator.
 
+    The first time a bucket is synchronised, the ranks check that they hold the same
+    parameters with the same sizes in it (one small collective; ValueError on every rank
+    otherwise), as the communicator checks the rest (spardl_grace.agreement).
+
     A step whose result is not finite (an fp16 overflow that a GradScaler will skip, a NaN
     batch) leaves the memory as it was, instead of poisoning the residuals for good.
     dense_warmup_steps: the first steps are plain dense averages (no selection, residuals
@@ -137,6 +142,7 @@ class GradientSync:
         self.dense_warmup_steps = dense_warmup_steps
         self.min_numel = min_numel
         self.steps = 0
+        self._agreed: set[Bucket] = set()
 
     def is_dense(self, bucket: Bucket) -> bool:
         return self.steps < self.dense_warmup_steps or bucket.numel < self.min_numel
@@ -148,6 +154,11 @@ class GradientSync:
         if flat.dim() != 1 or flat.numel() != bucket.numel:
             raise ValueError(f"bucket {bucket.key} holds {bucket.numel} entries, "
                              f"got a buffer of shape {tuple(flat.shape)}")
+        if bucket not in self._agreed:
+            # The communicator checks the bucket's total size; the layout inside must match too.
+            agree(self.grace.transport, f"the layout of bucket {bucket.key}",
+                  {"parameters": list(bucket.names), "numels": list(bucket.numels)})
+            self._agreed.add(bucket)
         flat = flat.to(communication_dtype(flat.dtype))
         if self.is_dense(bucket):
             return self.dense.step(flat, bucket.key)

@@ -31,7 +31,7 @@ def run_steps(size, params, n=None, steps=3, integer_valued=False, counting=Fals
             records.append({"compensated": grad + old, "result": result,
                             "residual": grc.memory.residuals["w"].clone(),
                             "stats": dict(grc.last_stats),
-                            "messages": list(transport.messages) if counting else None,
+                            "messages": algorithm_messages(transport) if counting else None,
                             "grc": grc})
         return records
     return run_local(size, fn)
@@ -55,6 +55,12 @@ def check_exact_dense_average(per_rank, size):
         assert torch.equal(per_rank[0][step]["result"] * size, total), f"step {step}"
         for r in per_rank:
             assert torch.count_nonzero(r[step]["residual"]) == 0, f"step {step}"
+
+
+def algorithm_messages(transport: CountingTransport) -> list:
+    """The algorithm's own messages: without the ranks' agreement on a new name (control
+    traffic that tests/test_agreement.py counts), so they can be held against its formulas."""
+    return [m for m in transport.messages if m.phase != "agree"]
 
 
 def sent_bytes(record, phases=None):

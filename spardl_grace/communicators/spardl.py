@@ -57,6 +57,8 @@ class SparDL(CodedAllreduce):
     cross-team stage, P makes SparDL an all-gather of per-block top-k); codec: how sparse
     messages are coded (identity by default; DeepReduce codecs plug in here)."""
 
+    RANK_LOCAL = ("team", "q")
+
     def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
                  density: float, teams: int = 1, codec: PayloadCodec | None = None):
         super().__init__(compressor, memory, transport, density, codec)

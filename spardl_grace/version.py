@@ -1,0 +1,2 @@
+"""The one version string of spardl-grace."""
+__version__ = "0.1.0"
