@@ -115,15 +115,21 @@ def measure_link(transport: Transport, repeat: int = 30, nbytes: int = 16 << 20)
 PROBE_BYTES = (4, 1 << 16, 1 << 20, 16 << 20)  # from one word to a dense VGG-16 layer's size
 
 
-def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> None:
-    """Run the transport op that costmodel.probe_op(kind, nbytes, P) describes."""
+def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> int:
+    """Run the transport op that costmodel.probe_op(kind, nbytes, P) describes; return how many
+    such ops ran. The p2p probe is a chain of P - 1 exchanges, with the ranks at distance 1, 2,
+    .., P - 1 in turn, as SRS, Bruck all-gathers and butterflies move through their peers: with
+    more ranks than cores, an exchange in such a chain costs several times one repeated with the
+    same neighbours (3.8 against 0.7 ms at P = 8 on the benchmark machine)."""
     op = probe_op(kind, nbytes, transport.size, transport.rank)
     rank, size = transport.rank, transport.size
     if kind == "p2p":
         entries = op.sent // 4
-        transport.sendrecv(torch.zeros(entries), (rank + 1) % size, (rank - 1) % size, name,
-                           recv_numel=entries)
-    elif kind == "allgather":
+        for d in range(1, size):
+            transport.sendrecv(torch.zeros(entries), (rank + d) % size, (rank - d) % size,
+                               f"{name}.{d}", recv_numel=entries)
+        return size - 1
+    if kind == "allgather":
         transport.allgather(torch.zeros(op.sent // (4 * (size - 1))), name)
     elif kind == "alltoall":
         transport.alltoall([torch.zeros(op.sent // (4 * (size - 1)))] * size, name)
@@ -131,14 +137,15 @@ def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> None:
         transport.allreduce(torch.zeros(op.size // 4), name)
     else:
         transport.broadcast(torch.zeros(op.size // 4), 0, name)
+    return 1
 
 
 def probe_ops(transport: Transport, sizes: tuple[int, ...] = PROBE_BYTES,
               repeat: int = 3) -> dict[str, list[list[float]]]:
-    """Seconds of every op kind (costmodel.KINDS) at this P for each size in `sizes` (in the
-    cost model's measure of that kind): per kind [nbytes, seconds] pairs, the median over
-    `repeat` runs of the fastest rank's time (the same convention as comm_s). Every rank
-    returns the same figures."""
+    """Seconds of one op of every kind (costmodel.KINDS) at this P for each size in `sizes` (in
+    the cost model's measure of that kind; see run_probe): per kind [nbytes, seconds] pairs,
+    the median over `repeat` runs of the fastest rank's time (the same convention as comm_s).
+    Every rank returns the same figures."""
     samples = []
     for kind in KINDS:
         for nbytes in sizes:
@@ -146,8 +153,8 @@ def probe_ops(transport: Transport, sizes: tuple[int, ...] = PROBE_BYTES,
                 name = f"probe.{kind}.{nbytes}.{i}"
                 transport.barrier(name)
                 start = time.perf_counter()
-                run_probe(transport, kind, nbytes, name)
-                samples.append(time.perf_counter() - start)
+                ops = run_probe(transport, kind, nbytes, name)
+                samples.append((time.perf_counter() - start) / ops)
     every = transport.allgather(torch.tensor(samples, dtype=torch.float64), "probe.times")
     fastest = torch.stack(every).min(dim=0).values.view(len(KINDS), len(sizes), repeat)
     return {kind: [[nbytes, float(fastest[k, j].median())] for j, nbytes in enumerate(sizes)]

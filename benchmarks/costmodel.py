@@ -25,7 +25,10 @@ the model ignores waiting for a peer that is still computing.
 A measured network can carry its own alpha and beta per op kind (`Network.per_kind`), fitted by
 `fit_kind` to probes shaped like that op (`probe_op`; benchmarks.comm times them at the run's
 P): one pair for every kind cannot describe a tbf-shaped link, on which a ring all-reduce
-streams at about twice the rate of a pairwise exchange.
+streams at about twice the rate of a pairwise exchange. A token-bucket shaped link (tc tbf, as
+benchmarks.netem emulates, and the egress shaping of many cloud VMs) also has a `burst`: the
+bytes an op moves through a link beyond `burst` pay beta, the first `burst` only alpha (an
+idle bucket is full; ops here are separated by computation that refills it).
 """
 from __future__ import annotations
 
@@ -64,7 +67,8 @@ class Network:
     alpha_intra and beta_intra. Collectives spanning nodes use the inter-node parameters.
     per_kind: (alpha, beta) of the op kinds (KINDS) that differ from the link's, between
     nodes. allreduce: 'best' (the cheaper of ring and recursive doubling, as MPI chooses) or
-    'ring' (as gloo runs it)."""
+    'ring' (as gloo runs it). burst: bytes of each op between nodes that cross at line rate
+    (a token-bucket shaper's bucket; 0 for a plain link)."""
     alpha: float
     beta: float
     ranks_per_node: int = 1
@@ -72,6 +76,7 @@ class Network:
     beta_intra: float = 0.0
     per_kind: dict[str, tuple[float, float]] = field(default_factory=dict)
     allreduce: str = "best"
+    burst: float = 0.0
 
     @classmethod
     def from_bandwidth(cls, gbit_per_s: float, alpha: float, **hierarchy: float) -> "Network":
@@ -81,10 +86,11 @@ class Network:
         """(alpha, beta) of an op of `kind` between nodes."""
         return self.per_kind.get(kind, (self.alpha, self.beta))
 
-    def link(self, rank: int, peer: int, kind: str = "p2p") -> tuple[float, float]:
+    def link(self, rank: int, peer: int, kind: str = "p2p") -> tuple[float, float, float]:
+        """(alpha, beta, burst) between two ranks for an op of `kind`."""
         if self.ranks_per_node > 1 and rank // self.ranks_per_node == peer // self.ranks_per_node:
-            return self.alpha_intra, self.beta_intra
-        return self.params(kind)
+            return self.alpha_intra, self.beta_intra, 0.0
+        return (*self.params(kind), self.burst)
 
 
 @dataclass
@@ -207,9 +213,10 @@ def op_seconds(op: Op, rank: int, size: int, net: Network) -> float:
     """The time of one op of `rank` under `net` (see the module docstring)."""
     spans_nodes = size > net.ranks_per_node
     alpha, beta = net.params(op.kind) if spans_nodes else (net.alpha_intra, net.beta_intra)
+    burst = net.burst if spans_nodes else 0.0
     rounds = math.ceil(math.log2(size)) if size > 1 else 0
     if op.kind in ("p2p", "alltoall"):
-        classes: dict[tuple[float, float], list[int]] = {}
+        classes: dict[tuple[float, float, float], list] = {}
         for peer, sent, received in op.parts:
             if peer == rank or peer < 0:
                 continue
@@ -217,20 +224,18 @@ def op_seconds(op: Op, rank: int, size: int, net: Network) -> float:
             entry[0] += sent
             entry[1] += received
             entry[2].add(peer)
-        if op.kind == "p2p":
-            return max((a + b * max(s, r) for (a, b), (s, r, _) in classes.items()), default=0.0)
-        return max((a * len(peers) + b * max(s, r) for (a, b), (s, r, peers) in classes.items()),
-                   default=0.0)
+        return max((a * (1 if op.kind == "p2p" else len(peers)) + b * max(0.0, max(s, r) - c)
+                    for (a, b, c), (s, r, peers) in classes.items()), default=0.0)
     if op.kind == "allgather":
-        return rounds * alpha + beta * op.received
+        return rounds * alpha + beta * max(0.0, op.received - burst)
     if op.kind == "allreduce":
-        ring = 2 * (size - 1) * alpha + beta * 2 * op.size * (size - 1) / size
+        ring = 2 * (size - 1) * alpha + beta * max(0.0, 2 * op.size * (size - 1) / size - burst)
         if net.allreduce == "ring":
             return ring
-        doubling = rounds * (alpha + beta * op.size)
+        doubling = rounds * alpha + beta * max(0.0, rounds * op.size - burst)
         return min(ring, doubling)
     if op.kind == "broadcast":
-        return rounds * alpha + beta * op.size
+        return rounds * alpha + beta * max(0.0, op.size - burst)
     raise ValueError(f"unknown op kind {op.kind!r}")
 
 
@@ -242,9 +247,10 @@ def predict_seconds(ops: Sequence[Op], rank: int, size: int, net: Network) -> fl
 # --------------------------------------------------------------------------- probes
 def probe_op(kind: str, nbytes: int, size: int, rank: int = 0) -> Op:
     """The op that benchmarks.comm times to fit `kind`'s alpha and beta at P = size, with
-    `nbytes` in the model's measure of that kind: each rank's exchange with its ring
-    neighbours (p2p), the bytes a rank receives (allgather), sends to all others (alltoall),
-    or the tensor's bytes (allreduce, broadcast). Pieces are whole float32 entries."""
+    `nbytes` in the model's measure of that kind: one exchange of nbytes each way with two
+    peers (p2p; benchmarks.comm times a chain of them), the bytes a rank receives
+    (allgather), sends to all others (alltoall), or the tensor's bytes (allreduce,
+    broadcast). Pieces are whole float32 entries."""
     if size < 2:
         raise ValueError("probes need at least 2 ranks")
     piece = FP32 * max(1, nbytes // (FP32 * (size - 1)))
@@ -264,14 +270,14 @@ def probe_op(kind: str, nbytes: int, size: int, rank: int = 0) -> Op:
     raise ValueError(f"unknown op kind {kind!r}; valid choices: {', '.join(KINDS)}")
 
 
-def fit_kind(samples: Sequence[tuple[Op, int, float]]) -> tuple[float, float]:
-    """(alpha, beta) of one op kind on a flat network, from (op, P, measured seconds) probes:
-    the non-negative pair that minimises the squared relative error of the prediction (small
-    and large probes weigh alike; all-reduces as rings, as gloo runs them)."""
+def fit_kind(samples: Sequence[tuple[Op, int, float]], burst: float = 0.0) -> tuple[float, float]:
+    """(alpha, beta) of one op kind on a flat network with this `burst`, from (op, P, measured
+    seconds) probes: the non-negative pair that minimises the squared relative error of the
+    prediction (small and large probes weigh alike; all-reduces as rings, as gloo runs them)."""
     rows = []
     for op, size, seconds in samples:
-        latency = op_seconds(op, 0, size, Network(1.0, 0.0, allreduce="ring"))
-        volume = op_seconds(op, 0, size, Network(0.0, 1.0, allreduce="ring"))
+        latency = op_seconds(op, 0, size, Network(1.0, 0.0, allreduce="ring", burst=burst))
+        volume = op_seconds(op, 0, size, Network(0.0, 1.0, allreduce="ring", burst=burst))
         rows.append((latency / seconds, volume / seconds))
     sxx = sum(x * x for x, _ in rows)
     syy = sum(y * y for _, y in rows)

@@ -35,6 +35,12 @@ def rate_bits_per_s(rate: str) -> float:
     return float(number) * UNITS[unit]
 
 
+def burst_bytes(bits_per_s: float) -> int:
+    """The tbf bucket of a link shaped to `bits_per_s`: 10 ms of traffic, at least 64 KiB. An
+    idle link passes this many bytes at the veth's own speed before the rate applies."""
+    return max(64 * 1024, int(bits_per_s / 8 / 100))
+
+
 def available() -> str | None:
     """None when namespaces can be made here, else why not."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
@@ -161,7 +167,7 @@ class EmulatedNetwork:
             _run("ip", "link", "add", "name", self.bridge, "type", "bridge")
             self._made.append("bridge")
             _run("ip", "link", "set", self.bridge, "up")
-            burst = str(max(64 * 1024, int(self.bits_per_s / 8 / 100)))  # 10 ms of traffic
+            burst = str(burst_bytes(self.bits_per_s))
             tbf = ["root", "tbf", "rate", self.rate, "burst", burst, "latency", "100ms"]
             for rank in range(self.size):
                 ns, inside, outside = self.namespace(rank), self.interface(rank), f"{self.prefix}h{rank}"

@@ -29,21 +29,26 @@ from typing import Any
 
 from benchmarks import costmodel
 from benchmarks.costmodel import Network
+from benchmarks.netem import burst_bytes, rate_bits_per_s
 from spardl_grace.transport.counting import Message
 
 
 def measured_network(result: dict[str, Any]) -> Network:
     """A benchmarks.comm run's network: its link's alpha and beta, with a pair per op kind
-    fitted to the run's probes (all-reduces as gloo's ring). Runs recorded before the probes
-    have the link's pair only."""
+    fitted to the run's probes (all-reduces as gloo's ring) and, on an emulated network, the
+    tbf bucket of its links as the burst. Runs recorded before the probes have the link's pair
+    only."""
     link, size = result["link"], result["config"]["workers"]
     probes = result.get("probes")
     if not probes:
         return Network(alpha=link["alpha"], beta=link["beta"])
+    rate = result["config"].get("bandwidth")
+    burst = burst_bytes(rate_bits_per_s(rate)) if rate else 0
     per_kind = {kind: costmodel.fit_kind([(costmodel.probe_op(kind, nbytes, size), size, seconds)
-                                          for nbytes, seconds in samples])
+                                          for nbytes, seconds in samples], burst)
                 for kind, samples in probes.items()}
-    return Network(alpha=link["alpha"], beta=link["beta"], per_kind=per_kind, allreduce="ring")
+    return Network(alpha=link["alpha"], beta=link["beta"], per_kind=per_kind, allreduce="ring",
+                   burst=burst)
 
 
 def networks(measured: Network) -> dict[str, Network]:
