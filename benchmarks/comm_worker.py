@@ -112,15 +112,21 @@ def measure_link(transport: Transport, repeat: int = 30, nbytes: int = 16 << 20)
     return {"alpha": float(shared[0]), "beta": float(shared[1])}
 
 
-PROBE_BYTES = (4, 1 << 16, 1 << 20, 16 << 20)  # from one word to a dense VGG-16 layer's size
+PROBE_BYTES = (256, 1 << 16, 1 << 20, 16 << 20)  # from a histogram to a dense VGG-16 layer
+
+
+PROBE_CHAIN = 4  # collectives per probe, back to back
 
 
 def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> int:
-    """Run the transport op that costmodel.probe_op(kind, nbytes, P) describes; return how many
-    such ops ran. The p2p probe is a chain of P - 1 exchanges, with the ranks at distance 1, 2,
-    .., P - 1 in turn, as SRS, Bruck all-gathers and butterflies move through their peers: with
-    more ranks than cores, an exchange in such a chain costs several times one repeated with the
-    same neighbours (3.8 against 0.7 ms at P = 8 on the benchmark machine)."""
+    """Run the transport op that costmodel.probe_op(kind, nbytes, P) describes, back to back
+    as the algorithms run their ops; return how many ran. p2p: a chain of P - 1 exchanges with
+    the ranks at distance 1, 2, .., P - 1 in turn, as SRS, Bruck all-gathers and butterflies
+    move through their peers; a collective: PROBE_CHAIN of them. With more ranks than cores an
+    op in such a chain costs several times one run alone after a barrier (at P = 8 on the
+    benchmark machine: an exchange 3.8 against 0.7 ms, a 128-byte all-reduce 10 to 35 against
+    2 ms), because every op waits for the last rank that the scheduler let finish the one
+    before."""
     op = probe_op(kind, nbytes, transport.size, transport.rank)
     rank, size = transport.rank, transport.size
     if kind == "p2p":
@@ -129,15 +135,16 @@ def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> int:
             transport.sendrecv(torch.zeros(entries), (rank + d) % size, (rank - d) % size,
                                f"{name}.{d}", recv_numel=entries)
         return size - 1
-    if kind == "allgather":
-        transport.allgather(torch.zeros(op.sent // (4 * (size - 1))), name)
-    elif kind == "alltoall":
-        transport.alltoall([torch.zeros(op.sent // (4 * (size - 1)))] * size, name)
-    elif kind == "allreduce":
-        transport.allreduce(torch.zeros(op.size // 4), name)
-    else:
-        transport.broadcast(torch.zeros(op.size // 4), 0, name)
-    return 1
+    for i in range(PROBE_CHAIN):
+        if kind == "allgather":
+            transport.allgather(torch.zeros(op.sent // (4 * (size - 1))), f"{name}.{i}")
+        elif kind == "alltoall":
+            transport.alltoall([torch.zeros(op.sent // (4 * (size - 1)))] * size, f"{name}.{i}")
+        elif kind == "allreduce":
+            transport.allreduce(torch.zeros(op.size // 4), f"{name}.{i}")
+        else:
+            transport.broadcast(torch.zeros(op.size // 4), 0, f"{name}.{i}")
+    return PROBE_CHAIN
 
 
 def probe_ops(transport: Transport, sizes: tuple[int, ...] = PROBE_BYTES,
