@@ -5,6 +5,7 @@ PowerSGD hook and SparDL, each for the same training-time budget, on links shape
     python -m experiments.compare                    # about 10 minutes on 2 CPU cores
     python -m experiments.compare --quick            # a reduced run (CI)
     python -m experiments.compare --algorithms ddp,spardl,powersgd1,powersgd4,topka
+    python -m experiments.compare --dnn lstmimdb --dataset tweets --target-accuracy 0.6  # text
 
 Every run is one `python -m experiments.main_trainer` (the training CLI) with the same recipe;
 only the synchronisation differs. Evaluation (every --eval-every steps, 2,000 test images) is
@@ -58,10 +59,13 @@ LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from experiments.datasets import DATASETS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algorithms", default="ddp,powersgd4,spardl",
                    help=f"comma-separated of {', '.join(ALGORITHMS)}")
     p.add_argument("--dnn", default="mnistcnn")
+    p.add_argument("--dataset", default="fashion-mnist", choices=sorted(DATASETS),
+                   help="e.g. tweets with --dnn lstmimdb")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--bandwidth", default="100mbit", help="emulated link rate; 'none' for loopback")
     p.add_argument("--density", type=float, default=0.01)
@@ -80,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="FashionCNN, 2,000 images, 12 steps per algorithm (CI)")
     args = p.parse_args(argv)
     if args.quick:
-        args.dnn, args.train_samples, args.test_samples = "fashioncnn", 2000, 500
+        args.dnn, args.dataset = "fashioncnn", "fashion-mnist"
+        args.train_samples, args.test_samples = 2000, 500
         args.max_epochs, args.max_steps = 1, 12
         args.eval_every, args.time_budget, args.target_accuracy = 6, None, 0.3
     args.algorithms = [a for a in args.algorithms.split(",") if a]
@@ -115,7 +120,7 @@ def algorithm_options(name: str, warmup: bool = True) -> list[str]:
 
 def trainer_command(args: argparse.Namespace, name: str, out: Path, rate: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "experiments.main_trainer", "--dnn", args.dnn,
-           "--dataset", "fashion-mnist", "--nworkers", str(args.workers),
+           "--dataset", args.dataset, "--nworkers", str(args.workers),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr),
            "--density", str(args.density), "--max-epochs", str(args.max_epochs), "--seed", str(args.seed),
            "--eval-every", str(args.eval_every), "--test-samples", str(args.test_samples),
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"training with {LABELS[name]} ...", flush=True)
         run_one(args, name, out / name, rate)
         results.append(summarise(name, out / name, args.workers))
-    title = (f"{args.dnn}, Fashion-MNIST, {args.workers} workers, "
+    title = (f"{args.dnn}, {args.dataset}, {args.workers} workers, "
              f"{'links ' + rate if rate else 'loopback'}, batch {args.batch_size}/worker")
     plot(results, out / "accuracy_vs_time.png", title, args.target_accuracy)
     said = verdict(results, args.target_accuracy)

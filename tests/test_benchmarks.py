@@ -193,7 +193,7 @@ def test_comm_benchmark_runs_every_algorithm_on_real_processes(tmp_path):
     assert result["link"]["alpha"] > 0 and result["link"]["beta"] > 0
     assert list(result["probes"]) == list(costmodel.KINDS)
     for kind, samples in result["probes"].items():
-        assert [nbytes for nbytes, _ in samples] == [4, 1 << 16, 1 << 20, 16 << 20], kind
+        assert [nbytes for nbytes, _ in samples] == [256, 1 << 16, 1 << 20, 16 << 20], kind
         assert all(seconds > 0 for _, seconds in samples), kind
 
 

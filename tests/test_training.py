@@ -27,6 +27,19 @@ def test_main_job_quick_compares_ddp_powersgd_and_spardl(tmp_path):
     assert (tmp_path / "accuracy_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_main_job_trains_a_text_task(tmp_path):
+    """The same comparison on the tweets (an LSTM classifier, sentiment in 3 classes): PyTorch's
+    PowerSGD hook on the embedding's and the LSTM's matrices, and SparDL, on loopback."""
+    results = compare.main(["--dnn", "lstmimdb", "--dataset", "tweets", "--bandwidth", "none",
+                            "--algorithms", "powersgd1,spardl", "--train-samples", "1024",
+                            "--test-samples", "200", "--max-epochs", "1", "--max-steps", "6",
+                            "--eval-every", "3", "--target-accuracy", "0.3",
+                            "--out", str(tmp_path)])
+    assert [r["algorithm"] for r in results] == ["powersgd1", "spardl"]
+    assert all(r["identical_replicas"] and r["steps"] == 6 for r in results)
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["dataset"] == "tweets"
+
+
 def test_verdict_says_who_won_plainly():
     runs = [{"label": "SparDL", "time_to_target_s": 30.0}, {"label": "PowerSGD", "time_to_target_s": 20.0},
             {"label": "DDP", "time_to_target_s": None}]
@@ -39,3 +52,6 @@ def test_main_job_names_the_valid_algorithms(capsys):
     with pytest.raises(SystemExit):
         compare.parse_args(["--algorithms", "ddp,bogus"])
     assert "unknown algorithm(s) ['bogus']; valid: ddp, fp16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--dataset", "cifar"])
+    assert "invalid choice: 'cifar'" in capsys.readouterr().err
