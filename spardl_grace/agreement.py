@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .payload import PayloadCodec
 from .transport import Transport
 from .version import __version__
 
@@ -43,7 +44,6 @@ def settings_of(obj: Any, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def _is_codec(value: Any) -> bool:
-    from .payload import PayloadCodec
     return isinstance(value, PayloadCodec) or type(value).__module__.startswith("deepreduce_compat.")
 
 
