@@ -159,8 +159,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the model trains: cuda (rank r on GPU r mod the GPUs here), cpu, "
                         "or auto (cuda when a GPU is visible)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train-samples", type=int, default=None, help="use only the first N training samples")
-    p.add_argument("--test-samples", type=int, default=None)
+    p.add_argument("--train-samples", type=int, default=None,
+                   help="use only N training samples, evenly spaced over the set")
+    p.add_argument("--test-samples", type=int, default=None,
+                   help="evaluate on N test samples, evenly spaced over the set")
     p.add_argument("--max-steps", type=int, default=None, help="stop each epoch after N steps")
     p.add_argument("--log", default="csv", help=f"comma-separated of {', '.join(LOGS)} (csv/jsonl always)")
     p.add_argument("--out", default="experiments/results/run")
@@ -553,6 +555,17 @@ class Clock:
         return self.total
 
 
+def spread_subset(inputs: torch.Tensor, labels: torch.Tensor, count: int | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` samples evenly spaced over the whole set (all of them when count is None or
+    larger): a data set stored by class (the tweets are) keeps its class mixture, where its
+    first `count` samples would all be of one class."""
+    if count is None or count >= len(labels):
+        return inputs, labels
+    chosen = torch.arange(count) * len(labels) // count
+    return inputs[chosen], labels[chosen]
+
+
 def train(args: argparse.Namespace, transport) -> dict[str, Any]:
     """Train on this rank; returns the final summary (identical metrics on every rank)."""
     import spardl_grace
@@ -564,11 +577,11 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
     rank, world = transport.rank, transport.size
     tokenizer = "wordpiece" if args.dnn == "bert" else "words"
     images, labels = load_dataset(args.dataset, "train", args.data_dir, tokenizer)
-    images, labels = images[:args.train_samples], labels[:args.train_samples]
+    images, labels = spread_subset(images, labels, args.train_samples)
     test_images = test_labels = None
     if rank == 0:  # the replicas are identical: rank 0 evaluates for all
         test_images, test_labels = load_dataset(args.dataset, "test", args.data_dir, tokenizer)
-        test_images, test_labels = test_images[:args.test_samples], test_labels[:args.test_samples]
+        test_images, test_labels = spread_subset(test_images, test_labels, args.test_samples)
     _, channels, classes = DATASETS[args.dataset]
 
     device = train_device(args.device, rank)

@@ -541,3 +541,17 @@ def test_ablation_runs_in_parallel_give_what_sequential_runs_give(tmp_path):
     for a, b in zip(together, alone):
         assert a["test_accuracy"] == b["test_accuracy"] and a["train_loss"] == b["train_loss"]
     assert together[1]["bytes_run"]["mean"] < together[0]["bytes_run"]["mean"]
+
+
+def test_sample_limits_keep_the_class_mix_of_a_set_stored_by_class():
+    """The tweets are stored by class: their first 2,000 test tweets are all negative, so a
+    prefix would measure how often a model says 'negative'. Evenly spaced subsets keep the mix."""
+    from experiments.text import load_tweets
+    inputs, labels = load_tweets("test")
+    assert torch.bincount(labels[:2000], minlength=3).tolist() == [2000, 0, 0]
+    sub_inputs, sub_labels = main_trainer.spread_subset(inputs, labels, 2000)
+    share = torch.bincount(sub_labels, minlength=3) / 2000
+    assert torch.allclose(share, torch.bincount(labels, minlength=3) / len(labels), atol=0.01)
+    assert torch.equal(sub_inputs[1], inputs[len(labels) // 2000])
+    assert main_trainer.spread_subset(inputs, labels, None)[1] is labels
+    assert main_trainer.spread_subset(inputs, labels, 10 ** 9)[1] is labels
