@@ -12,10 +12,18 @@ order, and keeps the memory's residuals per parameter (spardl_grace.sync), so a 
 neither loses nor misplaces them, and a bucket holding the same parameters as one of
 DistributedOptimizer's is synchronised bit for bit like it. DDP's own bucket size (bucket_cap_mb) decides the fusion: pass a large
 bucket_cap_mb to DistributedDataParallel to give SparDL the whole model in one buffer.
+
+The hook returns at once with a pending future and a communication thread synchronises the
+bucket, so DDP's backward goes on computing the next buckets' gradients meanwhile, as with
+DDP's own all-reduce. Buckets are synchronised one at a time in DDP's bucket order, which is
+the same on every rank. The last bucket's hook waits until every bucket of the step is done:
+DDP issues its own collectives (the map of unused parameters) right after it, and they must
+not race the thread's on the same process group; by then backward has nothing left to overlap.
 """
 # No `from __future__ import annotations`: DDP compares comm_hook's annotations with the real
 # types (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
-from typing import Any
+import concurrent.futures
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,10 +37,12 @@ class CommHookState:
 
     model: the DistributedDataParallel module (or the module it wraps); its parameter names
     key the residuals. dense_warmup_steps: the first iterations are synchronised dense.
-    min_numel: buckets with fewer entries are always synchronised dense."""
+    min_numel: buckets with fewer entries are always synchronised dense. overlap: synchronise
+    on a communication thread while backward goes on (off, or with an MPI library without
+    MPI_THREAD_MULTIPLE, the hook synchronises before it returns)."""
 
     def __init__(self, grace: Communicator, model: torch.nn.Module, dense_warmup_steps: int = 0,
-                 min_numel: int = 0):
+                 min_numel: int = 0, overlap: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be the DDP module (or the module it wraps), got "
                             f"{type(model).__name__}")
@@ -41,6 +51,10 @@ class CommHookState:
         self.names = {p: n for n, p in named}
         self.position = {p: i for i, (_, p) in enumerate(named)}
         self.sync = GradientSync(grace, dense_warmup_steps, min_numel)
+        thread_safe = getattr(grace.transport, "thread_safe", True)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="spardl-ddp-comm") if overlap and thread_safe else None
+        self._step_error: BaseException | None = None
 
     def canonical(self, params: list[torch.Tensor]) -> tuple[Bucket, list[int]]:
         """The bucket of `params` in reverse registration order, and that order as indices
@@ -63,11 +77,46 @@ class CommHookState:
 
 def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's gradients averaged over ranks by state's grace
-    communicator (dense during warm-up and for small buckets), in the bucket's dtype."""
+    communicator (dense during warm-up and for small buckets), in the bucket's dtype. The
+    future is pending while the communication thread works on it (see the module docstring)."""
     buffer = bucket.buffer()
     params = bucket.parameters()
     canonical, order = state.canonical(params)
-    ddp_parts = torch.split(buffer, [p.numel() for p in params])
+    numels = [p.numel() for p in params]
+    last = bucket.is_last()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if state._executor is None:
+        future.set_result(_synchronize_into(state, buffer, numels, canonical, order, last))
+        return future
+    done = state._executor.submit(_fulfil, state, future, last, lambda: _synchronize_into(
+        state, buffer, numels, canonical, order, last))
+    if last:
+        done.result()
+    return future
+
+
+def _fulfil(state: CommHookState, future: torch.futures.Future, last: bool,
+            work: Callable[[], torch.Tensor]) -> None:
+    """Run `work` on the communication thread and settle `future` with its outcome. After a
+    bucket fails, the step's later buckets fail with the same error at once instead of each
+    waiting out the transport's timeout."""
+    try:
+        if state._step_error is not None:
+            raise state._step_error
+        future.set_result(work())
+    except BaseException as exc:
+        state._step_error = exc
+        future.set_exception(exc)
+    finally:
+        if last:
+            state._step_error = None
+
+
+def _synchronize_into(state: CommHookState, buffer: torch.Tensor, numels: list[int],
+                      canonical: Bucket, order: list[int], last: bool) -> torch.Tensor:
+    """Synchronise DDP's bucket `buffer` (parameters of `numels` in DDP's order) and write the
+    average back into it."""
+    ddp_parts = torch.split(buffer, numels)
     reordered = order != sorted(order)
     flat = torch.cat([ddp_parts[j] for j in order]) if reordered else buffer
     result = state.sync.synchronize(flat, canonical)
@@ -78,8 +127,6 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             ddp_parts[j].copy_(part)
     else:
         buffer.copy_(result)
-    if bucket.is_last():
+    if last:
         state.sync.end_step()
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(buffer)
-    return future
+    return buffer

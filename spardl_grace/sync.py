@@ -15,7 +15,7 @@ the algorithms handle as on their first step.
 from __future__ import annotations
 
 import hashlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -160,13 +160,15 @@ class GradientSync:
                   {"parameters": list(bucket.names), "numels": list(bucket.numels)})
             self._agreed.add(bucket)
         flat = flat.to(communication_dtype(flat.dtype))
-        if self.is_dense(bucket):
-            return self.dense.step(flat, bucket.key)
-        with per_parameter_stores(self.grace.memory, bucket) as outcome:
-            result = self.grace.step(flat, bucket.key)
-            # The result is identical on every rank, so all ranks decide alike, unasked.
-            outcome.keep = all_finite(result)
-        return result
+        # A communication thread starts on CUDA device 0, not on the device the rank chose.
+        with torch.cuda.device(flat.device) if flat.is_cuda else nullcontext():
+            if self.is_dense(bucket):
+                return self.dense.step(flat, bucket.key)
+            with per_parameter_stores(self.grace.memory, bucket) as outcome:
+                result = self.grace.step(flat, bucket.key)
+                # The result is identical on every rank, so all ranks decide alike, unasked.
+                outcome.keep = all_finite(result)
+            return result
 
     def end_step(self) -> None:
         self.steps += 1

@@ -370,6 +370,25 @@ def test_ddp_comm_hook_matches_the_optimizer_under_torchrun(launch):
         assert r["residual_names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
+def test_ddp_comm_hook_overlaps_backward_under_torchrun(launch):
+    """The hook returns a pending future and a communication thread finishes it, on several
+    DDP buckets with an unused parameter; the model is bit for bit the one the hook gives
+    when it communicates before returning."""
+    results = launch("gloo", 3, "training_scenarios.ddp_overlap")
+    for overlap in (True, False):
+        assert_identical([r[overlap]["params"] for r in results])
+    for r in results:
+        assert torch.equal(r[True]["params"], r[False]["params"])
+        assert torch.equal(r[True]["losses"], r[False]["losses"])
+        calls = r[True]["calls"]
+        assert sum(last for last, _ in calls) == 8 and len(calls) > 8  # several buckets a step
+        assert calls[0] == (False, False)  # the first bucket's future was pending on return
+        assert all(done for last, done in calls if last)  # the last waits for the whole step
+        assert r[True]["threads"] == ["spardl-ddp-comm_0"]
+        assert all(done for _, done in r[False]["calls"])
+        assert r[True]["steps"] == r[False]["steps"] == 8
+
+
 def _dying_rank(rank: int, init_file: str, queue) -> None:
     import torch.distributed as dist
     from datetime import timedelta

@@ -6,11 +6,13 @@ The data is real: each rank trains on its own shard of Fashion-MNIST (the Debian
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
 from spardl_grace import (CommHookState, DistributedOptimizer, broadcast_parameters, comm_hook,
                           grace_from_params)
+from spardl_grace.transport.counting import CountingTransport
 
 ALGORITHMS = {
     "spardl": {"communicator": "spardl", "memory": "global_residual"},
@@ -105,3 +107,87 @@ def ddp_matches_optimizer(transport, steps: int = 12, dense_warmup_steps: int = 
     return {"ddp": flat_params(ddp_model), "optimizer": flat_params(model),
             "ddp_losses": torch.tensor(ddp_losses), "losses": torch.tensor(losses),
             "residual_names": sorted(state.sync.grace.memory.residuals)}
+
+
+class _GatedTransport(CountingTransport):
+    """Holds every message until `gate` is set, and records the threads that communicate."""
+
+    def __init__(self, inner, gate: threading.Event):
+        super().__init__(inner)
+        self.gate = gate
+        self.threads: set[str] = set()
+
+    def _hold(self) -> None:
+        self.threads.add(threading.current_thread().name)
+        if not self.gate.wait(60):
+            raise TimeoutError("the test never opened the gate")
+
+    def sendrecv(self, *args, **kwargs):
+        self._hold()
+        return super().sendrecv(*args, **kwargs)
+
+    def allgather(self, *args, **kwargs):
+        self._hold()
+        return super().allgather(*args, **kwargs)
+
+    def alltoall(self, *args, **kwargs):
+        self._hold()
+        return super().alltoall(*args, **kwargs)
+
+    def allreduce(self, *args, **kwargs):
+        self._hold()
+        return super().allreduce(*args, **kwargs)
+
+    def broadcast(self, *args, **kwargs):
+        self._hold()
+        return super().broadcast(*args, **kwargs)
+
+
+class _WithUnused(torch.nn.Module):
+    """784-32-32-10 with a layer that forward never uses (DDP's find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.body.insert(2, torch.nn.Linear(32, 32))
+        self.body.insert(3, torch.nn.ReLU())
+        self.unused = torch.nn.Linear(10, 10)
+        g = torch.Generator().manual_seed(99)
+        with torch.no_grad():
+            for p in [*self.body[2].parameters(), *self.unused.parameters()]:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def ddp_overlap(transport, steps: int = 8) -> dict:
+    """SparDL through the DDP hook on several small DDP buckets with an unused parameter
+    (find_unused_parameters=True), with and without overlap (needs torch.distributed:
+    torchrun). Every message is held until the first hook has returned, so whether that hook
+    left its future pending does not depend on timing."""
+    out = {}
+    for overlap in (True, False):
+        gate = threading.Event()
+        if not overlap:
+            gate.set()  # the hook itself communicates: nothing may hold it
+        gated = _GatedTransport(transport, gate)
+        model = _WithUnused()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02,
+                                                        find_unused_parameters=True)
+        state = CommHookState(grace_from_params(params_for("spardl"), transport=gated), ddp,
+                              dense_warmup_steps=2, overlap=overlap)
+        calls: list[tuple[bool, bool]] = []
+
+        def hook(state, bucket):  # unannotated: DDP rejects this module's string annotations
+            future = comm_hook(state, bucket)
+            calls.append((bucket.is_last(), future.done()))
+            gate.set()
+            return future
+
+        ddp.register_comm_hook(state, hook)
+        losses = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9),
+                       transport.rank, transport.size, steps)
+        out[overlap] = {"params": flat_params(model), "losses": torch.tensor(losses),
+                        "calls": calls, "threads": sorted(gated.threads), "steps": state.sync.steps}
+    return out
