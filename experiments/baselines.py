@@ -6,9 +6,9 @@ its built-in all-reduce, its fp16 compression hook, or its PowerSGD hook.
     sync.step()
 
 Nothing here re-implements a hook: torch.distributed.algorithms.ddp_comm_hooks are called as
-they are. DDP gets one bucket for the whole model (bucket_cap_mb=1024): PowerSGD's hook fails
-on gloo with several buckets ("Received data size doesn't match expected size"), and one
-bucket is also what SparDL gets. Bytes are counted from what the hooks all-reduce: the whole
+they are. DDP gets one bucket for the whole model unless bucket_cap_mb is given (PowerSGD's hook
+fails on gloo with several buckets, "Received data size doesn't match expected size", and one
+bucket is also what SparDL gets by default); DDP's own default is 25 MB. Bytes are counted from what the hooks all-reduce: the whole
 gradient (fp32, or fp16 with the fp16 hook), or PowerSGD's own count of the entries it sends
 (P and Q factors plus the tensors it leaves uncompressed), each through a ring all-reduce.
 """
@@ -26,7 +26,7 @@ class TorchDDPSync:
     (model, optimizer, step, bytes_sent, stats, state)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, name: str,
-                 powersgd_rank: int = 1, start_iter: int = 10):
+                 powersgd_rank: int = 1, start_iter: int = 10, bucket_cap_mb: float | None = None):
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -39,7 +39,8 @@ class TorchDDPSync:
         self.name = name
         self.world = dist.get_world_size()
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024)
+        self.model = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=1024 if bucket_cap_mb is None else bucket_cap_mb)
         self.optimizer = optimizer
         self.powersgd = None
         if name == "torch_fp16":

@@ -60,6 +60,7 @@ GRACE_PAIRS = {
     "natural": ("none", "allgather"),
 }
 BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd")  # experiments.baselines
+ONE_BUCKET_MB = 1024  # DDP's bucket cap that keeps every model here in one bucket
 COMPRESSORS = (*SPARSE_ALLREDUCES, *GRACE_PAIRS, *BASELINES)
 WEIGHT_DECAY = 1e-4
 # DGC's density warm-up over this many first epochs is the sparse all-reduces' default: of
@@ -152,6 +153,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch_powersgd: plain all-reduce before this step (torch's "
                         "start_powerSGD_iter, at least 2)")
     p.add_argument("--teams", type=int, default=1, help="SparDL's d")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="fuse gradients into buckets of at most this many MB, each synchronised "
+                        "while backward goes on (default: one bucket for the whole model, which "
+                        "SparDL wants; PyTorch DDP's own default is 25)")
+    p.add_argument("--ddp-hook", action="store_true",
+                   help="run this library's algorithm through DistributedDataParallel and "
+                        "spardl_grace.comm_hook instead of DistributedOptimizer")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
     p.add_argument("--value", default="polyfit")
@@ -217,6 +225,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(f"--bandwidth: {exc}")
     baseline = args.compression and args.compressor in BASELINES
+    if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
+        p.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
+    if args.bucket_cap_mb is not None and baseline and args.compressor == "torch_powersgd":
+        p.error("torch_powersgd runs with one bucket: PyTorch's PowerSGD hook fails on gloo with "
+                "several (\"Received data size doesn't match expected size\")")
+    if args.ddp_hook and baseline:
+        p.error(f"--ddp-hook runs this library's algorithms through DDP; {args.compressor} is "
+                "DDP already")
     if baseline:
         if args.resume:
             p.error(f"--resume: {args.compressor}'s hook state is not checkpointed; resume works "
@@ -505,19 +521,61 @@ class GraceSync:
 
     @property
     def last_stats(self) -> dict[str, float]:
-        return self.optimizer.grace.last_stats
+        return self.grace.last_stats
 
     def set_density(self, density: float) -> None:
-        self.optimizer.grace.set_density(density)
+        self.grace.set_density(density)
 
     def compression_state(self) -> dict[str, Any]:
         return self.optimizer.compression_state_dict()
 
+    def load_compression_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_compression_state_dict(state)
+
     def residual_norm(self) -> float:
         """L2 norm of every residual this rank holds (what error feedback still owes)."""
-        residuals = getattr(self.optimizer.grace.memory, "residuals", {})
+        residuals = getattr(self.grace.memory, "residuals", {})
         return float(torch.sqrt(sum((r.float() ** 2).sum() for r in residuals.values()))) \
             if residuals else 0.0
+
+    @property
+    def grace(self):
+        return self.optimizer.grace
+
+
+class GraceHookSync(GraceSync):
+    """This library's algorithm through DistributedDataParallel and spardl_grace.comm_hook:
+    DDP synchronises each bucket during backward, as with its own all-reduce."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, counting, grc, bucket_cap_mb):
+        import spardl_grace
+        if not torch.distributed.is_initialized():
+            raise RuntimeError("--ddp-hook is DistributedDataParallel: it needs torch.distributed "
+                               "(self-launched workers, torchrun, or mpirun with env://), not "
+                               "threads or Horovod")
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        super().__init__(ddp, optimizer, counting)
+        self.hook = spardl_grace.CommHookState(grc, ddp)
+        ddp.register_comm_hook(self.hook, spardl_grace.comm_hook)
+
+    def synchronize(self) -> None:
+        """Nothing to do: DDP has synchronised during backward."""
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    @property
+    def grace(self):
+        return self.hook.sync.grace
+
+    def set_density(self, density: float) -> None:
+        self.grace.set_density(density)
+
+    def compression_state(self) -> dict[str, Any]:
+        return self.hook.state_dict()
+
+    def load_compression_state(self, state: dict[str, Any]) -> None:
+        self.hook.load_state_dict(state)
 
 
 def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport):
@@ -530,11 +588,14 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport):
     if args.compression and args.compressor in BASELINES:
         from experiments.baselines import TorchDDPSync
         return TorchDDPSync(model, sgd, args.compressor, args.powersgd_rank,
-                            args.powersgd_start_iter), None
+                            args.powersgd_start_iter, args.bucket_cap_mb), None
     params = grace_params(args)
     counting = spardl_grace.CountingTransport(transport)
     grc = spardl_grace.grace_from_params(params, transport=counting)
-    optimizer = spardl_grace.DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters())
+    if args.ddp_hook:
+        return GraceHookSync(model, sgd, counting, grc, args.bucket_cap_mb or ONE_BUCKET_MB), params
+    optimizer = spardl_grace.DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters(),
+                                                  bucket_cap_mb=args.bucket_cap_mb)
     return GraceSync(model, optimizer, counting), params
 
 
@@ -611,7 +672,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         check_same_step(transport, saved["step"], saved["run_id"])
         model.load_state_dict(saved["model"])
         sync.optimizer.load_state_dict(saved["optimizer"])
-        sync.optimizer.load_compression_state_dict(saved["compression"])
+        sync.load_compression_state(saved["compression"])
         scheduler.load_state_dict(saved["scheduler"])
         torch.set_rng_state(saved["rng"])
         if device.type == "cuda":

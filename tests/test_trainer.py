@@ -393,6 +393,59 @@ def test_torchs_own_ddp_hooks_train_identical_replicas(tmp_path, baseline):
     assert not list(tmp_path.glob("ckpt-rank*.pt")), "torch's hook state is not checkpointed"
 
 
+def _cli(out, *extra) -> None:
+    cmd = [sys.executable, "-m", "experiments.main_trainer", "--dnn", "fashioncnn",
+           "--dataset", "digits", "--compression", "--compressor", "spardl", "--batch-size", "16",
+           "--max-steps", "6", "--density", "0.05", "--nworkers", "2", "--out", str(out),
+           "--timeout", "60", *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _final_params(out) -> list[torch.Tensor]:
+    return [torch.load(out / f"final-rank{r}.pt", weights_only=True)["params"] for r in range(2)]
+
+
+def test_the_ddp_hook_path_trains_like_the_optimizer_and_resumes(tmp_path):
+    """--ddp-hook on 2 real gloo workers: with one bucket, bit for bit the model that
+    DistributedOptimizer trains, and a resume from the checkpoint of step 4 ends where the
+    uninterrupted run ended; with several small DDP buckets (communicated while backward goes
+    on), identical replicas, and the resumed run picks up the saved state. Its result differs
+    from the uninterrupted run's: DDP's first step after it is built fuses every gradient into
+    one bucket and later steps into the rebuilt ones, so the resumed step 5 selects over
+    other buckets."""
+    _cli(tmp_path / "optimizer")
+    hook = tmp_path / "hook"
+    _cli(hook, "--ddp-hook", "--checkpoint-every", "2")
+    optimizer, full = _final_params(tmp_path / "optimizer"), _final_params(hook)
+    assert torch.equal(full[0], full[1]) and torch.equal(full[0], optimizer[0])
+    for r in range(2):
+        (hook / f"ckpt-rank{r}.pt").unlink()
+    _cli(hook, "--ddp-hook", "--checkpoint-every", "2", "--resume")
+    assert all(torch.equal(a, b) for a, b in zip(_final_params(hook), full))
+    buckets = tmp_path / "buckets"
+    _cli(buckets, "--ddp-hook", "--bucket-cap-mb", "0.01", "--checkpoint-every", "2")
+    assert torch.equal(*_final_params(buckets))
+    saved = torch.load(buckets / "ckpt-rank0.pt.prev", weights_only=True)["compression"]
+    assert saved["steps"] == 4 and saved["grace"]["memory"]
+    for r in range(2):
+        (buckets / f"ckpt-rank{r}.pt").unlink()
+    _cli(buckets, "--ddp-hook", "--bucket-cap-mb", "0.01", "--checkpoint-every", "2", "--resume")
+    assert torch.equal(*_final_params(buckets))
+    assert torch.load(buckets / "ckpt-rank0.pt", weights_only=True)["compression"]["steps"] == 6
+
+
+def test_bucket_options_refuse_what_cannot_work(tmp_path, capsys):
+    for extra, message in (
+            (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be > 0"),
+            (["--compression", "--compressor", "torch_powersgd", "--bucket-cap-mb", "25"],
+             "PowerSGD hook fails on gloo"),
+            (["--compression", "--compressor", "torch_ddp", "--ddp-hook"], "is DDP already")):
+        with pytest.raises(SystemExit):
+            _args(tmp_path, *extra)
+        assert message in capsys.readouterr().err
+
+
 def test_baselines_refuse_what_they_cannot_do(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _args(tmp_path, "--compression", "--compressor", "torch_powersgd", "--resume")
