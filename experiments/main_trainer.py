@@ -521,7 +521,7 @@ class GraceSync:
 
     @property
     def last_stats(self) -> dict[str, float]:
-        return self.grace.last_stats
+        return self.optimizer.last_stats
 
     def set_density(self, density: float) -> None:
         self.grace.set_density(density)
@@ -567,6 +567,10 @@ class GraceHookSync(GraceSync):
     @property
     def grace(self):
         return self.hook.sync.grace
+
+    @property
+    def last_stats(self) -> dict[str, float]:
+        return self.hook.last_stats
 
     def set_density(self, density: float) -> None:
         self.grace.set_density(density)

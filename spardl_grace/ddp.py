@@ -66,6 +66,11 @@ class CommHookState:
         return Bucket(tuple(self.names[params[j]] for j in order),
                       tuple(params[j].numel() for j in order)), order
 
+    @property
+    def last_stats(self) -> dict[str, float]:
+        """The last finished step's statistics, summed over its buckets."""
+        return self.sync.last_stats
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's compression state; loads with torch.load(weights_only=True)."""
         return self.sync.state_dict()

@@ -120,6 +120,12 @@ class _DistributedOptimizer:
     def buckets(self) -> list[Bucket]:
         return [slot.bucket for slot in self._slots]
 
+    @property
+    def last_stats(self) -> dict[str, float]:
+        """The last synchronised step's statistics (bytes sent, entries, seconds selecting,
+        coding and communicating), summed over its buckets."""
+        return self._sync.last_stats
+
     def _on_gradient(self, p: torch.nn.Parameter) -> None:
         self._passes[p] += 1
         if self._passes[p] > self.backward_passes_per_step:

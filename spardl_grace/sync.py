@@ -143,6 +143,9 @@ class GradientSync:
         self.min_numel = min_numel
         self.steps = 0
         self._agreed: set[Bucket] = set()
+        #: the last step's statistics (bytes, entries, seconds), summed over its buckets
+        self.last_stats: dict[str, float] = {}
+        self._step_stats: dict[str, float] = {}
 
     def is_dense(self, bucket: Bucket) -> bool:
         return self.steps < self.dense_warmup_steps or bucket.numel < self.min_numel
@@ -163,19 +166,24 @@ class GradientSync:
         # A communication thread starts on CUDA device 0, not on the device the rank chose.
         with torch.cuda.device(flat.device) if flat.is_cuda else nullcontext():
             if self.is_dense(bucket):
-                return self.dense.step(flat, bucket.key)
+                result = self.dense.step(flat, bucket.key)
+                self._add_stats(self.dense.last_stats)
+                return result
             with per_parameter_stores(self.grace.memory, bucket) as outcome:
                 result = self.grace.step(flat, bucket.key)
                 # The result is identical on every rank, so all ranks decide alike, unasked.
                 outcome.keep = all_finite(result)
+            self._add_stats(self.grace.last_stats)
             return result
 
-    def end_step(self) -> None:
-        self.steps += 1
+    def _add_stats(self, stats: dict[str, float]) -> None:
+        for key, value in stats.items():
+            self._step_stats[key] = self._step_stats.get(key, 0) + value
 
-    @property
-    def last_stats(self) -> dict[str, float]:
-        return self.grace.last_stats
+    def end_step(self) -> None:
+        """The step's buckets are all synchronised: its statistics become last_stats."""
+        self.steps += 1
+        self.last_stats, self._step_stats = self._step_stats, {}
 
     def state_dict(self) -> dict[str, Any]:
         """The whole compression state (compressor, memory, communicator, steps); tensors and

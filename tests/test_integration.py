@@ -74,6 +74,33 @@ def test_spardl_at_density_one_gives_the_exact_average_for_any_bucketing(bucket_
     assert results[0][3] == {None: 1, 0.01: 2, 1e-6: 4}[bucket_cap_mb]
 
 
+@pytest.mark.parametrize("algorithm", ["spardl", "topka"])
+def test_last_stats_sum_the_steps_buckets(algorithm):
+    """With one bucket per parameter, last_stats after a step counts the bytes of all four
+    buckets, during the dense warm-up step as after it: exactly the bytes the transport
+    carried for the algorithm in that step."""
+    from sparse_checks import algorithm_messages
+    from spardl_grace import CountingTransport
+
+    def fn(t):
+        counting = CountingTransport(t)
+        model = ts.mlp()
+        opt = ts.make_optimizer(model, grace_from_params(ts.params_for(algorithm), transport=counting),
+                                bucket_cap_mb=1e-6, dense_warmup_steps=1)
+        out = []
+        for x, y in ts.batches(t.rank, t.size, 3):
+            counting.reset()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            out.append((opt.last_stats["bytes_sent"], sum(m.bytes_sent for m in algorithm_messages(counting))))
+        return len(opt.buckets), out
+    for buckets, steps in run_local(3, fn):
+        assert buckets == 4
+        for reported, carried in steps:
+            assert reported == carried > 0
+
+
 def test_backward_passes_per_step_accumulates_then_rejects_an_extra_pass():
     def fn(t, passes):
         model = ts.mlp()
