@@ -47,6 +47,9 @@ ALGORITHMS: dict[str, list[str]] = {
     # fp16 values (DeepReduce's value codec): 0.75 of the bytes; senders keep the rounding error
     "spardl_fp16": ["--compression", "--compressor", "spardl", "--deepreduce", "value",
                     "--value", "fp16"],
+    # and lossless delta-coded indices on top: about half of SparDL's bytes
+    "spardl_delta_fp16": ["--compression", "--compressor", "spardl", "--deepreduce", "both",
+                          "--index", "delta", "--value", "fp16"],
     # DDP's own 25 MB buckets, each communicated while backward goes on: what DDP users run
     "ddp_25mb": ["--compression", "--compressor", "torch_ddp", "--bucket-cap-mb", "25"],
     "dense_25mb": ["--bucket-cap-mb", "25"],
@@ -54,12 +57,14 @@ ALGORITHMS: dict[str, list[str]] = {
     "spardl_hook": ["--compression", "--compressor", "spardl", "--ddp-hook"],
 }
 SPARSE_ALGORITHMS = ("spardl", "spardl_hook", "spardl_d2", "spardl_dgcwarmup", "spardl_002",
-                     "spardl_0005", "spardl_fp16", "topka", "topkdsa", "gtopk", "oktopk")
+                     "spardl_0005", "spardl_fp16", "spardl_delta_fp16", "topka", "topkdsa",
+                     "gtopk", "oktopk")
 LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD hook rank 1",
           "powersgd4": "PowerSGD hook rank 4", "dense": "dense (this library)",
           "spardl": "SparDL", "spardl_d2": "SparDL d=2", "spardl_nowarmup": "SparDL, no warm-up",
           "spardl_dgcwarmup": "SparDL, DGC's warm-up", "spardl_002": "SparDL at density 0.02",
           "spardl_0005": "SparDL at density 0.005", "spardl_fp16": "SparDL, fp16 values",
+          "spardl_delta_fp16": "SparDL, delta indices and fp16 values",
           "ddp_25mb": "PyTorch DDP, 25 MB buckets", "dense_25mb": "dense, 25 MB buckets",
           "dense_hook_25mb": "dense via this library's DDP hook, 25 MB buckets",
           "spardl_hook": "SparDL via this library's DDP hook",
