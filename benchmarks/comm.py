@@ -23,6 +23,8 @@ What PyTorch users run instead runs in the same run (--gradient MODEL, gloo): to
 torch_fp16, torch_powersgd1 and torch_powersgd4 are DDP with torch's own all-reduce, fp16 and
 PowerSGD (rank 1, 4) hooks on the model's real layer shapes; their time is DDP's backward minus
 the same backward without DDP, their bytes what the hooks all-reduce (experiments.baselines).
+Under --backend horovod, horovod_allreduce and horovod_fp16 are Horovod's own averaging
+all-reduce of the gradient, plain and with Horovod's fp16 compression.
 """
 from __future__ import annotations
 
@@ -39,14 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import costmodel
-from benchmarks.comm_worker import POWERSGD_START, TORCH_HOOKS
+from benchmarks.comm_worker import HOROVOD, POWERSGD_START, TORCH_HOOKS
 from benchmarks.netem import EmulatedNetwork, rank_env, rate_bits_per_s, run_all
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("gloo", "mpi", "horovod")
 GRADIENTS = ("random", "resnet20", "resnet56", "resnet50", "vgg16", "vgg19", "alexnet", "fashioncnn")
 TIMES = ("total_s", "selection_s", "comm_s", "coding_s")
-VALID = (*costmodel.ALGORITHMS, *TORCH_HOOKS)
+VALID = (*costmodel.ALGORITHMS, *TORCH_HOOKS, *HOROVOD)
 
 
 def machine() -> dict[str, Any]:
@@ -93,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if hooks and (args.backend != "gloo" or args.gradient == "random"):
         p.error(f"{', '.join(hooks)} run PyTorch's DDP on a model's layer shapes: they need "
                 "--backend gloo and --gradient MODEL")
+    horovod = [a for a in args.algorithms if a in HOROVOD]
+    if horovod and args.backend != "horovod":
+        p.error(f"{', '.join(horovod)} run Horovod's own all-reduce: they need --backend horovod")
     if any(a.startswith("torch_powersgd") for a in hooks) and args.warmup < POWERSGD_START + 1:
         p.error(f"PyTorch's PowerSGD hook compresses from step {POWERSGD_START} on (it needs "
                 f"vanilla steps first): --warmup >= {POWERSGD_START + 1}")

@@ -28,6 +28,8 @@ STAT_TIMES = ("selection_s", "comm_s", "coding_s")
 TORCH_HOOKS = {"torch_ddp": ("torch_ddp", 1), "torch_fp16": ("torch_fp16", 1),
                "torch_powersgd1": ("torch_powersgd", 1), "torch_powersgd4": ("torch_powersgd", 4)}
 POWERSGD_START = 2  # the earliest step torch's PowerSGD hook compresses with error feedback
+# What Horovod users run: hvd.allreduce of the gradient, plain or with Horovod's fp16 compression.
+HOROVOD = {"horovod_allreduce": "none", "horovod_fp16": "fp16"}
 
 
 def synchronize(device: torch.device) -> None:
@@ -292,6 +294,31 @@ def time_torch_hook(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
     return {"steps": steps, "messages": []}
 
 
+def time_horovod(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
+                 transport: Transport) -> dict[str, Any]:
+    """Horovod's own averaging all-reduce of the whole gradient (under horovodrun), with
+    Horovod's fp16 compression for horovod_fp16: what a Horovod user's DistributedOptimizer
+    does without this library. Bytes are those of a ring all-reduce of what Horovod sends."""
+    import horovod.torch as hvd
+    from spardl_grace.transport.counting import ring_allreduce_bytes
+    compression = hvd.Compression.fp16 if HOROVOD[name] == "fp16" else hvd.Compression.none
+    itemsize = 2 if HOROVOD[name] == "fp16" else 4
+    steps = []
+    for i, grad in enumerate(grads):
+        own = grad.clone()
+        transport.barrier(f"{name}.{i}")
+        start = time.perf_counter()
+        hvd.allreduce(own, op=hvd.Average, compression=compression, name=f"{name}.grad")
+        synchronize(grad.device)
+        total = time.perf_counter() - start
+        if i < cfg["warmup"]:
+            continue
+        steps.append({"total_s": total, "selection_s": 0.0, "comm_s": total, "coding_s": 0.0,
+                      "bytes_sent": ring_allreduce_bytes(itemsize * grad.numel(), transport.size),
+                      "stats": {}})
+    return {"steps": steps, "messages": []}
+
+
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)
@@ -305,7 +332,8 @@ def main(config_path: str) -> None:
     out = {"rank": rank, "numel": grads[0].numel(), "link": link, "probes": probes,
            "algorithms": {}}
     for name in cfg["algorithms"]:
-        timer = time_torch_hook if name in TORCH_HOOKS else time_algorithm
+        timer = time_torch_hook if name in TORCH_HOOKS else \
+            time_horovod if name in HOROVOD else time_algorithm
         out["algorithms"][name] = timer(name, cfg, grads, transport)
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out))
     transport.barrier("done")

@@ -224,8 +224,16 @@ def test_comm_benchmark_runs_pytorchs_own_hooks_beside_the_library(tmp_path):
 def test_comm_benchmark_under_mpirun_and_horovodrun(tmp_path, backend):
     from conftest import require
     require(backend)
-    result = _small(tmp_path, "--backend", backend, "--algorithms", "gtopk,spardl")
-    assert result["algorithms"]["spardl"]["bytes_vs_formula"] == pytest.approx(1.0, abs=0.05)
+    own = ["horovod_allreduce", "horovod_fp16"] if backend == "horovod" else []
+    result = _small(tmp_path, "--backend", backend, "--algorithms", ",".join(["gtopk", "spardl", *own]))
+    runs = result["algorithms"]
+    assert runs["spardl"]["bytes_vs_formula"] == pytest.approx(1.0, abs=0.05)
+    if own:  # Horovod's own all-reduce beside the library, plain and with its fp16 compression
+        from spardl_grace.transport.counting import ring_allreduce_bytes
+        n = result["numel"]
+        assert runs["horovod_allreduce"]["bytes_sent_per_rank"] == ring_allreduce_bytes(4 * n, 3)
+        assert runs["horovod_fp16"]["bytes_sent_per_rank"] == ring_allreduce_bytes(2 * n, 3)
+        assert all(runs[name]["total_s"]["median"] > 0 for name in own)
 
 
 def test_comm_benchmark_with_a_codec_sends_fewer_bytes(tmp_path):
@@ -245,6 +253,7 @@ def test_comm_benchmark_with_a_codec_sends_fewer_bytes(tmp_path):
     (["--algorithms", "torch_fp16"], "--gradient MODEL"),
     (["--algorithms", "torch_ddp", "--gradient", "vgg16", "--backend", "mpi"], "--backend gloo"),
     (["--algorithms", "torch_powersgd4", "--gradient", "vgg16"], "--warmup >= 3"),
+    (["--algorithms", "horovod_fp16"], "need --backend horovod"),
 ])
 def test_comm_benchmark_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
