@@ -54,6 +54,8 @@ ALGORITHMS: dict[str, list[str]] = {
     "ddp_25mb": ["--compression", "--compressor", "torch_ddp", "--bucket-cap-mb", "25"],
     "dense_25mb": ["--bucket-cap-mb", "25"],
     "dense_hook_25mb": ["--ddp-hook", "--bucket-cap-mb", "25"],
+    "dense_25mb_no_overlap": ["--bucket-cap-mb", "25", "--no-overlap"],
+    "dense_hook_25mb_no_overlap": ["--ddp-hook", "--bucket-cap-mb", "25", "--no-overlap"],
     "spardl_hook": ["--compression", "--compressor", "spardl", "--ddp-hook"],
 }
 SPARSE_ALGORITHMS = ("spardl", "spardl_hook", "spardl_d2", "spardl_dgcwarmup", "spardl_002",
@@ -67,6 +69,8 @@ LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD 
           "spardl_delta_fp16": "SparDL, delta indices and fp16 values",
           "ddp_25mb": "PyTorch DDP, 25 MB buckets", "dense_25mb": "dense, 25 MB buckets",
           "dense_hook_25mb": "dense via this library's DDP hook, 25 MB buckets",
+          "dense_25mb_no_overlap": "dense, 25 MB buckets, no overlap",
+          "dense_hook_25mb_no_overlap": "dense via the DDP hook, 25 MB buckets, no overlap",
           "spardl_hook": "SparDL via this library's DDP hook",
           "topka": "TopkA", "topkdsa": "TopkDSA", "gtopk": "gTop-k", "oktopk": "Ok-Topk"}
 

@@ -157,6 +157,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fuse gradients into buckets of at most this many MB, each synchronised "
                         "while backward goes on (default: one bucket for the whole model, which "
                         "SparDL wants; PyTorch DDP's own default is 25)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="synchronise each bucket after backward instead of while it goes on "
+                        "(to measure what overlap buys)")
     p.add_argument("--ddp-hook", action="store_true",
                    help="run this library's algorithm through DistributedDataParallel and "
                         "spardl_grace.comm_hook instead of DistributedOptimizer")
@@ -230,6 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.bucket_cap_mb is not None and baseline and args.compressor == "torch_powersgd":
         p.error("torch_powersgd runs with one bucket: PyTorch's PowerSGD hook fails on gloo with "
                 "several (\"Received data size doesn't match expected size\")")
+    if args.no_overlap and baseline:
+        p.error(f"--no-overlap belongs to this library's paths; {args.compressor} is DDP's own")
     if args.ddp_hook and baseline:
         p.error(f"--ddp-hook runs this library's algorithms through DDP; {args.compressor} is "
                 "DDP already")
@@ -547,7 +552,8 @@ class GraceHookSync(GraceSync):
     """This library's algorithm through DistributedDataParallel and spardl_grace.comm_hook:
     DDP synchronises each bucket during backward, as with its own all-reduce."""
 
-    def __init__(self, model: torch.nn.Module, optimizer, counting, grc, bucket_cap_mb):
+    def __init__(self, model: torch.nn.Module, optimizer, counting, grc, bucket_cap_mb: float,
+                 overlap: bool = True):
         import spardl_grace
         if not torch.distributed.is_initialized():
             raise RuntimeError("--ddp-hook is DistributedDataParallel: it needs torch.distributed "
@@ -555,7 +561,7 @@ class GraceHookSync(GraceSync):
                                "threads or Horovod")
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         super().__init__(ddp, optimizer, counting)
-        self.hook = spardl_grace.CommHookState(grc, ddp)
+        self.hook = spardl_grace.CommHookState(grc, ddp, overlap=overlap)
         ddp.register_comm_hook(self.hook, spardl_grace.comm_hook)
 
     def synchronize(self) -> None:
@@ -597,9 +603,11 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport):
     counting = spardl_grace.CountingTransport(transport)
     grc = spardl_grace.grace_from_params(params, transport=counting)
     if args.ddp_hook:
-        return GraceHookSync(model, sgd, counting, grc, args.bucket_cap_mb or ONE_BUCKET_MB), params
+        return GraceHookSync(model, sgd, counting, grc, args.bucket_cap_mb or ONE_BUCKET_MB,
+                             not args.no_overlap), params
     optimizer = spardl_grace.DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters(),
-                                                  bucket_cap_mb=args.bucket_cap_mb)
+                                                  bucket_cap_mb=args.bucket_cap_mb,
+                                                  overlap=not args.no_overlap)
     return GraceSync(model, optimizer, counting), params
 
 

@@ -440,7 +440,8 @@ def test_bucket_options_refuse_what_cannot_work(tmp_path, capsys):
             (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be > 0"),
             (["--compression", "--compressor", "torch_powersgd", "--bucket-cap-mb", "25"],
              "PowerSGD hook fails on gloo"),
-            (["--compression", "--compressor", "torch_ddp", "--ddp-hook"], "is DDP already")):
+            (["--compression", "--compressor", "torch_ddp", "--ddp-hook"], "is DDP already"),
+            (["--compression", "--compressor", "torch_fp16", "--no-overlap"], "is DDP's own")):
         with pytest.raises(SystemExit):
             _args(tmp_path, *extra)
         assert message in capsys.readouterr().err
