@@ -14,9 +14,13 @@ from .optimizer import DistributedOptimizer
 from .payload import IdentityCodec, PayloadCodec
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, grace_from_params, resolve_params
 from .transport import CountingTransport, Transport, TransportError, TransportTimeout, run_local
+from .grace_dl_compat import register_with_grace_dl
 from .version import __version__
+
+register_with_grace_dl()
+
 __all__ = ["Compressor", "Memory", "Communicator", "SparseAllreduce", "PayloadCodec",
            "IdentityCodec", "grace_from_params", "resolve_params", "COMPRESSORS", "MEMORIES",
            "COMMUNICATORS", "Transport", "TransportError", "TransportTimeout", "CountingTransport",
            "run_local", "DistributedOptimizer", "CommHookState", "comm_hook",
-           "broadcast_parameters"]
+           "broadcast_parameters", "register_with_grace_dl"]

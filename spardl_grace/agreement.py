@@ -33,7 +33,7 @@ def settings_of(obj: Any, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     underscore: state, counters, buffers) and `exclude` (values that differ between ranks by
     design) are left out."""
     out: dict[str, Any] = {"class": type(obj).__name__}
-    for key, value in sorted(vars(obj).items()):
+    for key, value in sorted(getattr(obj, "__dict__", {}).items()):
         if key.startswith("_") or key in exclude:
             continue
         if isinstance(value, SCALARS):

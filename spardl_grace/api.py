@@ -133,8 +133,61 @@ class Memory(ABC):
         pass
 
 
+def _bind(part: Any, transport: Transport) -> None:
+    """Give `part` the transport if it takes one: this library's compressors and memories do;
+    GRACE users' own ones, written against GRACE's interface alone, need not."""
+    bind = getattr(part, "bind", None)
+    if callable(bind):
+        bind(transport)
+
+
+def _check_protocol(part: Any, what: str, methods: tuple[str, ...]) -> None:
+    missing = [m for m in methods if not callable(getattr(part, m, None))]
+    if missing:
+        raise TypeError(f"the {what} {type(part).__name__} lacks {', '.join(missing)}: a GRACE "
+                        f"{what} has {', '.join(methods)}")
+
+
+def average_of(compressor: Any) -> bool:
+    """GRACE's `average` of a compressor (True when it does not say)."""
+    return getattr(compressor, "average", True)
+
+
+def same_sizes(compressor: Any) -> bool:
+    """GRACE's `tensors_size_are_same` of a compressor (True when it does not say)."""
+    return getattr(compressor, "tensors_size_are_same", True)
+
+
+def aggregate(compressor: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The compressor's aggregate of decompressed tensors; their sum when it has none."""
+    combine = getattr(compressor, "aggregate", None)
+    return combine(tensors) if callable(combine) else Compressor.aggregate(compressor, tensors)
+
+
+def _resolve_transport(transport: Transport | int) -> Transport:
+    """GRACE's constructors pass world_size where this library takes a transport: then the
+    active backend's transport, which must have that many ranks."""
+    if isinstance(transport, Transport):
+        return transport
+    if isinstance(transport, int) and not isinstance(transport, bool):
+        from .transport import default_transport
+        active = default_transport()
+        if active.size != transport:
+            raise ValueError(f"world_size {transport} does not match the active backend's "
+                             f"{active.size} ranks")
+        return active
+    raise TypeError(f"expected a Transport or GRACE's world_size (an int), got "
+                    f"{type(transport).__name__}")
+
+
 class Communicator(ABC):
     """Runs one synchronisation step: compensate, compress, exchange, decompress, average.
+
+    The compressor and memory may be this library's or any objects with GRACE's interface
+    (compress / decompress, optionally aggregate, average and tensors_size_are_same;
+    compensate, optionally update): bind, state_dict and the other methods this library adds
+    are used where present. `transport` may be GRACE's world_size instead (an int): the active
+    backend's transport is then used, as GRACE's Allgather(compressor, memory, world_size).
 
     reuse_results: False (the default) makes every step's result a new tensor, which the caller
     may keep. DistributedOptimizer and the DDP hook set it to True on the communicator they are
@@ -147,13 +200,16 @@ class Communicator(ABC):
     #: of the fingerprint the ranks agree on
     RANK_LOCAL: tuple[str, ...] = ()
 
-    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport):
+    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport | int):
+        _check_protocol(compressor, "compressor", ("compress", "decompress"))
+        _check_protocol(memory, "memory", ("compensate",))
+        transport = _resolve_transport(transport)
         self.compressor = compressor
         self.memory = memory
         self.transport = transport
         self.world_size = transport.size
-        compressor.bind(transport)
-        memory.bind(transport)
+        _bind(compressor, transport)
+        _bind(memory, transport)
         self.last_stats: dict[str, float] = {}
         self._agreed: dict[str, int] = {}
 
@@ -185,7 +241,9 @@ class Communicator(ABC):
         self.agree(tensor, name)
         compensated = self.memory.compensate(tensor, name)
         tensors, ctx = self.compressor.compress(compensated, name)
-        self.memory.update(compensated, name, self.compressor, tensors, ctx)
+        update = getattr(self.memory, "update", None)
+        if callable(update):
+            update(compensated, name, self.compressor, tensors, ctx)
         return self.send_receive(tensors, name, ctx), ctx
 
     def receive_step(self, handles: Any, ctx: Any) -> torch.Tensor:
@@ -210,15 +268,19 @@ class Communicator(ABC):
             setattr(obj, attr, density)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict(),
+        """The compressor's, memory's and communicator's state; a GRACE user's own compressor
+        or memory without state_dict() contributes none (it is not checkpointed)."""
+        return {"compressor": _state_of(self.compressor), "memory": _state_of(self.memory),
                 "communicator": self._own_state(), "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("world_size", self.world_size) != self.world_size:
             raise ValueError(f"checkpoint was written by {state['world_size']} workers, this run "
                              f"has {self.world_size}: residuals and schedules do not carry over")
-        self.compressor.load_state_dict(state.get("compressor", {}))
-        self.memory.load_state_dict(state.get("memory", {}))
+        for part, key in ((self.compressor, "compressor"), (self.memory, "memory")):
+            load = getattr(part, "load_state_dict", None)
+            if callable(load):
+                load(state.get(key, {}))
         self._load_own_state(state.get("communicator", {}))
 
     def _own_state(self) -> dict[str, Any]:
@@ -226,6 +288,11 @@ class Communicator(ABC):
 
     def _load_own_state(self, state: dict[str, Any]) -> None:
         pass
+
+
+def _state_of(part: Any) -> dict[str, Any]:
+    state = getattr(part, "state_dict", None)
+    return state() if callable(state) else {}
 
 
 class SparseAllreduce(Communicator):
@@ -236,7 +303,20 @@ class SparseAllreduce(Communicator):
     invariant they promise (conservation) is
         sum_w compensated_w == P * result + sum_w residual_w      (up to float rounding)."""
 
-    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport, density: float):
+    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport | int,
+                 density: float):
+        name = type(self).__name__
+        if not isinstance(compressor, Compressor):
+            raise ValueError(
+                f"{name} selects its entries itself, while it communicates (exact top-k per "
+                f"block), so it would ignore the compressor {type(compressor).__name__}: give it "
+                "this library's compressor 'topk', or run your compressor over 'allgather', "
+                "'allreduce' or 'broadcast'")
+        if not callable(getattr(memory, "store_residual", None)):
+            raise ValueError(
+                f"{name} decides the residual during communication and hands it to the memory's "
+                f"store_residual(name, residual, result), which {type(memory).__name__} lacks: "
+                "use memory 'global_residual', 'residual' or 'none', or give yours that method")
         super().__init__(compressor, memory, transport)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density (compress_ratio) must be in (0, 1], got {density}")

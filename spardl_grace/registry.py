@@ -202,15 +202,22 @@ def _check_combination(p: dict[str, Any]) -> None:
 def grace_from_params(params: dict[str, Any], transport: Transport | None = None) -> Communicator:
     """Build the communicator described by GRACE-style `params` (see the module docstring).
 
-    transport=None uses the active backend (Horovod, else torch.distributed, else mpirun);
-    spardl_grace.transport.run_local gives a transport per thread for simulations."""
-    p = resolve_params(params)
+    'compressor' and 'memory' may be objects instead of names: a GRACE user's own (GRACE's
+    interface is enough) or one of this library's. transport=None uses the active backend
+    (Horovod, else torch.distributed, else mpirun); spardl_grace.transport.run_local gives a
+    transport per thread for simulations."""
+    given = {key: params[key] for key in ("compressor", "memory")
+             if key in params and not isinstance(params[key], str)}
+    sparse = params.get("communicator", DEFAULTS["communicator"]) in SPARSE_COMMUNICATORS
+    # Objects stand aside while the names are validated; the communicator checks them itself.
+    stand_in = {"compressor": "topk" if sparse else "none", "memory": "none"}
+    p = resolve_params({**params, **{key: stand_in[key] for key in given}})
     if transport is None:
         transport = default_transport()
     if p["world_size"] is not None and p["world_size"] != transport.size:
         raise ValueError(f"world_size {p['world_size']} does not match the transport's {transport.size} ranks")
-    compressor = COMPRESSORS[p["compressor"]](p)
-    memory = MEMORIES[p["memory"]](p)
+    compressor = given["compressor"] if "compressor" in given else COMPRESSORS[p["compressor"]](p)
+    memory = given["memory"] if "memory" in given else MEMORIES[p["memory"]](p)
     comm = p["communicator"]
     if comm in GRACE_COMMUNICATORS:
         return GRACE_COMMUNICATORS[comm](compressor, memory, transport)

@@ -91,7 +91,9 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
     sets `keep = False` on what it is given, the entries from before the block are put back:
     memories replace their entries and never change them in place, so those are intact."""
     saved = []
-    for store in memory.stores():
+    # A GRACE user's own memory has no stores(): its entries stay under the bucket's key.
+    stores = getattr(memory, "stores", None)
+    for store in (stores() if callable(stores) else []):
         parts = [store.pop(name, None) for name in bucket.names]
         saved.append((store, parts))
         present = next((p for p in parts if p is not None), None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..api import Communicator
+from ..api import Communicator, aggregate, average_of, same_sizes
 
 
 class Allreduce(Communicator):
@@ -14,7 +14,7 @@ class Allreduce(Communicator):
         reduced = []
         for i, t in enumerate(tensors):
             total = self.transport.allreduce(t, f"allreduce.{name}.{i}")
-            reduced.append(total / self.world_size if self.compressor.average else total)
+            reduced.append(total / self.world_size if average_of(self.compressor) else total)
         return self.compressor.decompress(reduced, ctx)
 
 
@@ -25,14 +25,14 @@ class Allgather(Communicator):
     def send_receive(self, tensors, name, ctx):
         gathered = [self.transport.allgather(t.reshape(-1), f"allgather.{name}.{i}")
                     for i, t in enumerate(tensors)]
-        if self.compressor.tensors_size_are_same:
+        if same_sizes(self.compressor):
             gathered = [[g.view(t.shape) for g in per_rank] for t, per_rank in zip(tensors, gathered)]
         return self._combine(list(zip(*gathered)), ctx)
 
     def _combine(self, per_worker, ctx):
         decompressed = [self.compressor.decompress(list(ts), ctx) for ts in per_worker]
-        aggregated = self.compressor.aggregate(decompressed)
-        return aggregated / self.world_size if self.compressor.average else aggregated
+        aggregated = aggregate(self.compressor, decompressed)
+        return aggregated / self.world_size if average_of(self.compressor) else aggregated
 
 
 class Broadcast(Allgather):
@@ -44,7 +44,7 @@ class Broadcast(Allgather):
             received = []
             for i, t in enumerate(tensors):
                 shape = t.shape
-                if not self.compressor.tensors_size_are_same:
+                if not same_sizes(self.compressor):
                     n = torch.tensor([t.numel()], dtype=torch.int64)
                     n = int(self.transport.broadcast(n, root, f"broadcast.{name}.{root}.{i}.n"))
                     shape = (n,)

@@ -1,0 +1,32 @@
+"""GRACE (grace_dl) users' isinstance checks: this library's Compressor, Memory and
+Communicator register as virtual subclasses of grace_dl's ABCs when grace_dl is importable.
+
+grace_dl is installed from its repository, not from the package index, so it is optional:
+without it nothing happens. Registration runs when spardl_grace is imported; a grace_dl
+imported later is registered by calling register_with_grace_dl() again.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .api import Communicator, Compressor, Memory
+
+#: grace_dl's flavours that define the three ABCs (torch.distributed's and Horovod's)
+GRACE_MODULES = ("grace_dl.dist", "grace_dl.torch")
+
+
+def register_with_grace_dl() -> list[str]:
+    """Register Compressor, Memory and Communicator with the ABCs of the same names in every
+    importable module of GRACE_MODULES; the modules registered with."""
+    registered = []
+    for module_name in GRACE_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for ours in (Compressor, Memory, Communicator):
+            theirs = getattr(module, ours.__name__, None)
+            if isinstance(theirs, type) and callable(getattr(theirs, "register", None)):
+                theirs.register(ours)
+        registered.append(module_name)
+    return registered

@@ -1,0 +1,126 @@
+"""GRACE and DeepReduce users' own compressors and memories (tests/grace_style.py: GRACE's
+interface only) over this library's communicators and DistributedOptimizer, on threads and
+under torchrun; GRACE's constructor signatures; grace_dl's ABCs; refusals that say why."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import grace_style as gs
+from spardl_grace import grace_from_params, run_local
+from spardl_grace.communicators.spardl import SparDL
+from spardl_grace.memories.residual import GlobalResidualMemory
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def check_pairs(per_rank: list[dict]) -> None:
+    """Identical results on every rank; the exact average where the compressor is lossless."""
+    for label in per_rank[0]:
+        for step in range(3):
+            results = [r[label]["results"][step] for r in per_rank]
+            for rank, result in enumerate(results):
+                assert torch.equal(result, results[0]), f"{label}: rank {rank} differs"
+            if per_rank[0][label]["lossless"]:
+                inputs = [r[label]["inputs"][step] for r in per_rank]
+                assert torch.allclose(results[0], sum(inputs) / len(inputs), atol=1e-6), label
+            assert results[0].shape == (6, 50)
+
+
+def test_grace_users_compressors_and_memories_over_every_communicator_on_threads():
+    check_pairs(run_local(3, gs.run_pairs))
+
+
+def test_the_same_under_torchrun_with_graces_constructors(launch):
+    """Allgather(compressor, memory, world_size) as GRACE builds them: the active backend's
+    transport (gloo under torchrun)."""
+    check_pairs(launch("gloo", 3, "grace_style.with_grace_constructors"))
+
+
+def test_grace_constructor_world_size_must_match_the_backend(launch):
+    with pytest.raises(AssertionError, match="world_size 5 does not match the active backend's 2"):
+        launch("gloo", 2, "grace_style.wrong_world_size")
+
+
+def test_a_grace_users_compressor_trains_through_distributed_optimizer():
+    per_rank = run_local(3, gs.training)
+    for r in per_rank:
+        assert torch.equal(r["params"], per_rank[0]["params"])
+        assert r["losses"][-5:].mean() < 0.8 * r["losses"][:5].mean()
+        assert len(r["residual_names"]) == 1  # its residuals stay under the bucket's key
+
+
+def test_grace_from_params_takes_objects_and_checks_the_rest():
+    def fn(t):
+        grc = grace_from_params({"compressor": gs.PlainTopK(0.1), "memory": gs.PlainResidual(),
+                                 "communicator": "allgather"}, transport=t)
+        return type(grc).__name__, type(grc.compressor).__name__, grc.state_dict()["compressor"]
+    assert run_local(2, fn)[0] == ("Allgather", "PlainTopK", {})  # no state_dict: not saved
+    with pytest.raises(ValueError, match="unknown communicator 'ring'"):
+        run_local(2, lambda t: grace_from_params({"compressor": gs.PlainNone(), "communicator": "ring"},
+                                                 transport=t))
+
+
+def test_sparse_allreduces_refuse_what_they_would_ignore():
+    """SparDL selects by itself: a foreign compressor would be silently ignored, and a memory
+    without store_residual could not take the residual. Both are refused, saying why."""
+    def foreign_compressor(t):
+        grace_from_params({"compressor": gs.PlainTopK(0.1), "communicator": "spardl",
+                           "memory": "global_residual"}, transport=t)
+    with pytest.raises(ValueError, match="selects its entries itself.*PlainTopK.*'allgather'"):
+        run_local(2, foreign_compressor)
+
+    def foreign_memory(t):
+        from spardl_grace.compressors import TopKCompressor
+        SparDL(TopKCompressor(0.1), gs.PlainResidual(), t, 0.1)
+    with pytest.raises(ValueError, match="store_residual.*PlainResidual lacks"):
+        run_local(2, foreign_memory)
+
+
+def test_objects_without_graces_methods_are_refused_by_name():
+    from spardl_grace.communicators.grace import Allgather
+
+    def fn(t):
+        Allgather(object(), GlobalResidualMemory(), t)
+    with pytest.raises(TypeError, match="the compressor object lacks compress, decompress"):
+        run_local(2, fn)
+
+
+def test_registered_as_virtual_subclasses_of_grace_dls_abcs(tmp_path):
+    """With a grace_dl on the path (a stand-in with GRACE's module layout and ABC names),
+    isinstance checks in a GRACE user's code pass for this library's objects."""
+    for module in ("dist", "torch"):
+        package = tmp_path / "grace_dl" / module
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(textwrap.dedent("""
+            from abc import ABC, abstractmethod
+            class Compressor(ABC):
+                @abstractmethod
+                def compress(self, tensor, name): ...
+            class Memory(ABC):
+                @abstractmethod
+                def compensate(self, tensor, name): ...
+            class Communicator(ABC):
+                pass
+            """))
+    (tmp_path / "grace_dl" / "__init__.py").write_text("")
+    script = textwrap.dedent("""
+        import grace_dl.dist, grace_dl.torch
+        from spardl_grace import grace_from_params, run_local
+        def fn(t):
+            grc = grace_from_params({'compressor': 'topk', 'memory': 'global_residual',
+                                     'communicator': 'spardl'}, transport=t)
+            return [isinstance(grc.compressor, m.Compressor) and isinstance(grc.memory, m.Memory)
+                    and isinstance(grc, m.Communicator) for m in (grace_dl.dist, grace_dl.torch)]
+        print(run_local(2, fn)[0])
+        """)
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[True, True]"
