@@ -32,6 +32,7 @@ OUT/ckpt-rank{r}.pt at the end of each epoch; --resume continues from it.
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import json
 import os
@@ -87,8 +88,23 @@ def allreduce_params(name: str, teams: int) -> dict[str, Any]:
     return {"compressor": "topk", "memory": "global_residual", "communicator": name, "teams": teams}
 
 
+def _from_grace_config(args: argparse.Namespace) -> None:
+    """Set --compression, --compressor and --density from --grace-config, so that the rest of
+    the CLI (density warm-up, refusals, logs) sees the algorithm the config names."""
+    config = args.grace_config
+    communicator = config.get("communicator", "allreduce")
+    args.compression = True
+    args.compressor = communicator if communicator in SPARSE_ALLREDUCES \
+        else config.get("compressor", "none")
+    ratio = config.get("compress_ratio", config.get("density"))
+    if ratio is not None:
+        args.density = ratio
+
+
 def grace_params(args: argparse.Namespace) -> dict[str, Any]:
-    """GRACE params for the CLI's algorithm choice."""
+    """GRACE params for the CLI's algorithm choice (--grace-config's as given)."""
+    if args.grace_config is not None:
+        return {"seed": args.seed, **args.grace_config}
     if not args.compression:
         params = allreduce_params("dense", args.teams)
     elif args.compressor in (*SPARSE_ALLREDUCES, "none"):
@@ -132,6 +148,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compression", action="store_true", help="use --compressor (otherwise dense)")
     p.add_argument("--compressor", default="spardl", choices=COMPRESSORS)
     p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--grace-config", "--grace_config", dest="grace_config", type=grace_config,
+                   default=None,
+                   help="GRACE-benchmarks' config string, e.g. \"{'compressor': 'topk', 'memory': "
+                        "'residual', 'communicator': 'allgather', 'compress_ratio': 0.01}\": these "
+                        "GRACE params replace --compression, --compressor and --density")
     p.add_argument("--density-warmup", type=float, default=None,
                    help="DGC's density warm-up over these first epochs (a fraction is fine): "
                         "density --density-warmup-start, then x1/4 per stage (stages of equal length) "
@@ -213,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--eval-every and --checkpoint-every >= 0")
     if not 0 < args.density_warmup_start <= 1:
         p.error(f"--density-warmup-start must be in (0, 1], got {args.density_warmup_start}")
+    if args.grace_config is not None:
+        _from_grace_config(args)
     if args.density_warmup and not (args.compression and args.compressor in DENSITY_COMPRESSORS):
         p.error(f"--density-warmup needs --compression with one of {', '.join(DENSITY_COMPRESSORS)}")
     if args.density_warmup is None:
@@ -279,6 +302,20 @@ def epoch_list(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated epochs, got {text!r}") from None
+
+
+def grace_config(text: str) -> dict[str, Any]:
+    """GRACE-benchmarks' --grace_config: a Python dict literal of GRACE params, single quotes
+    and all, e.g. "{'compressor': 'topk', 'memory': 'residual', 'communicator': 'allgather'}"."""
+    try:
+        config = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        config = None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected a dict of GRACE params such as \"{{'compressor': 'topk', 'memory': "
+            f"'residual', 'communicator': 'allgather', 'compress_ratio': 0.01}}\", got {text!r}")
+    return config
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:

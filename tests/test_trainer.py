@@ -435,6 +435,34 @@ def test_the_ddp_hook_path_trains_like_the_optimizer_and_resumes(tmp_path):
     assert torch.load(buckets / "ckpt-rank0.pt", weights_only=True)["compression"]["steps"] == 6
 
 
+def test_grace_benchmarks_config_string_trains(tmp_path):
+    """GRACE-benchmarks' --grace_config, single quotes and all, on 2 workers."""
+    config = ("{'compressor': 'topk', 'memory': 'residual', 'communicator': 'allgather', "
+              "'compress_ratio': 0.05}")
+    args = _args(tmp_path, "--grace_config", config)
+    assert main_trainer.grace_params(args) == {"compressor": "topk", "memory": "residual",
+                                               "communicator": "allgather",
+                                               "compress_ratio": 0.05, "seed": 0}
+    assert (args.compression, args.compressor, args.density) == (True, "topk", 0.05)
+    run_local(2, lambda t: main_trainer.train(args, t))
+    finals = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in range(2)]
+    assert torch.equal(finals[0]["params"], finals[1]["params"])
+    sparse = _args(tmp_path, "--grace-config", "{'communicator': 'spardl', 'compressor': 'topk', "
+                   "'memory': 'global_residual'}")
+    assert sparse.compressor == "spardl" and sparse.density_warmup == main_trainer.DEFAULT_WARMUP_EPOCHS
+
+
+@pytest.mark.parametrize("config,message", [
+    ("{'compressor': 'topk'", "expected a dict of GRACE params"),
+    ("['topk']", "expected a dict of GRACE params"),
+    ("{'compressor': 'zip'}", "unknown compressor 'zip'; valid choices"),
+])
+def test_grace_config_errors_name_the_fix(tmp_path, capsys, config, message):
+    with pytest.raises(SystemExit):
+        _args(tmp_path, "--grace_config", config)
+    assert message in capsys.readouterr().err
+
+
 def test_bucket_options_refuse_what_cannot_work(tmp_path, capsys):
     for extra, message in (
             (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be > 0"),
