@@ -164,11 +164,15 @@ def aggregate(compressor: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return combine(tensors) if callable(combine) else Compressor.aggregate(compressor, tensors)
 
 
-def _resolve_transport(transport: Transport | int) -> Transport:
-    """GRACE's constructors pass world_size where this library takes a transport: then the
-    active backend's transport, which must have that many ranks."""
+def _resolve_transport(transport: Transport | int | None) -> Transport:
+    """GRACE's constructors pass world_size (grace_dl.dist) or nothing (grace_dl.torch, for
+    Horovod) where this library takes a transport: then the active backend's transport, which
+    must have world_size ranks when one is given."""
     if isinstance(transport, Transport):
         return transport
+    if transport is None:
+        from .transport import default_transport
+        return default_transport()
     if isinstance(transport, int) and not isinstance(transport, bool):
         from .transport import default_transport
         active = default_transport()
@@ -186,8 +190,9 @@ class Communicator(ABC):
     The compressor and memory may be this library's or any objects with GRACE's interface
     (compress / decompress, optionally aggregate, average and tensors_size_are_same;
     compensate, optionally update): bind, state_dict and the other methods this library adds
-    are used where present. `transport` may be GRACE's world_size instead (an int): the active
-    backend's transport is then used, as GRACE's Allgather(compressor, memory, world_size).
+    are used where present. `transport` may be GRACE's world_size instead (an int), or left
+    out: the active backend's transport is then used, as in GRACE's Allgather(compressor,
+    memory, world_size) and, for Horovod, Allgather(compressor, memory).
 
     reuse_results: False (the default) makes every step's result a new tensor, which the caller
     may keep. DistributedOptimizer and the DDP hook set it to True on the communicator they are
@@ -200,7 +205,8 @@ class Communicator(ABC):
     #: of the fingerprint the ranks agree on
     RANK_LOCAL: tuple[str, ...] = ()
 
-    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport | int):
+    def __init__(self, compressor: Compressor, memory: Memory,
+                 transport: Transport | int | None = None):
         _check_protocol(compressor, "compressor", ("compress", "decompress"))
         _check_protocol(memory, "memory", ("compensate",))
         transport = _resolve_transport(transport)

@@ -132,21 +132,48 @@ def with_grace_constructors(transport) -> dict:
     return run_pairs(transport, grace_constructor=True)
 
 
-def training(transport, steps: int = 20) -> dict:
-    """DistributedOptimizer with a GRACE user's own top-k and residual memory (allgather)."""
+def training(transport, steps: int = 20, ddp_hook: bool = False) -> dict:
+    """DistributedOptimizer (or, under torchrun, DDP with comm_hook) with a GRACE user's own
+    DeepReduce-shaped top-k and residual memory over allgather."""
     import training_scenarios as ts
-    from spardl_grace import DistributedOptimizer, broadcast_parameters, grace_from_params
+    from spardl_grace import (CommHookState, DistributedOptimizer, broadcast_parameters,
+                              comm_hook, grace_from_params)
     model = ts.mlp()
     broadcast_parameters(model.state_dict(), 0, transport)
     grc = grace_from_params({"compressor": DeepReduceShaped(PlainTopK(0.1)),
                              "memory": PlainResidual(), "communicator": "allgather"},
                             transport=transport)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    optimizer = DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters())
-    losses = ts.train(model, optimizer, transport.rank, transport.size, steps)
+    if ddp_hook:
+        trained = torch.nn.parallel.DistributedDataParallel(model)
+        trained.register_comm_hook(CommHookState(grc, trained), comm_hook)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1, momentum=0.9)
+    else:
+        trained = model
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters())
+    losses = ts.train(trained, optimizer, transport.rank, transport.size, steps)
     return {"params": ts.flat_params(model), "losses": torch.tensor(losses),
             "residual_names": sorted(grc.memory.residuals)}
 
 
+def ddp_training(transport) -> dict:
+    return training(transport, ddp_hook=True)
+
+
 def wrong_world_size(transport) -> None:
     Allgather(PlainNone(), PlainNoneMemory(), 5)
+
+
+def horovod_flavour(transport) -> dict:
+    """grace_dl.torch's shape, for Horovod: Allgather(compressor, memory) without a transport,
+    and GRACE's send_step / receive_step."""
+    out = {}
+    for label, cls, compressor, memory, lossless in pairs():
+        comm = cls(compressor, memory)
+        results = []
+        for g in gradients(transport.rank):
+            handles, ctx = comm.send_step(g, "w")
+            results.append(comm.receive_step(handles, ctx))
+        out[label] = {"inputs": gradients(transport.rank), "results": results,
+                      "lossless": lossless, "transport": type(comm.transport).__name__}
+    return out

@@ -42,17 +42,32 @@ def test_the_same_under_torchrun_with_graces_constructors(launch):
     check_pairs(launch("gloo", 3, "grace_style.with_grace_constructors"))
 
 
+def test_graces_horovod_flavour_under_horovodrun(launch):
+    """Allgather(compressor, memory), as grace_dl.torch builds them for Horovod, with
+    send_step / receive_step: Horovod's transport, identical replicas, exact lossless averages."""
+    per_rank = launch("horovod-gloo", 2, "grace_style.horovod_flavour")
+    check_pairs(per_rank)
+    assert {r[label]["transport"] for r in per_rank for label in r} == {"HorovodTransport"}
+
+
 def test_grace_constructor_world_size_must_match_the_backend(launch):
     with pytest.raises(AssertionError, match="world_size 5 does not match the active backend's 2"):
         launch("gloo", 2, "grace_style.wrong_world_size")
 
 
-def test_a_grace_users_compressor_trains_through_distributed_optimizer():
-    per_rank = run_local(3, gs.training)
+def check_training(per_rank: list[dict]) -> None:
     for r in per_rank:
         assert torch.equal(r["params"], per_rank[0]["params"])
         assert r["losses"][-5:].mean() < 0.8 * r["losses"][:5].mean()
         assert len(r["residual_names"]) == 1  # its residuals stay under the bucket's key
+
+
+def test_a_grace_users_compressor_trains_through_distributed_optimizer():
+    check_training(run_local(3, gs.training))
+
+
+def test_a_grace_users_compressor_trains_through_the_ddp_hook(launch):
+    check_training(launch("gloo", 3, "grace_style.ddp_training"))
 
 
 def test_grace_from_params_takes_objects_and_checks_the_rest():
