@@ -22,14 +22,14 @@ not race the thread's on the same process group; by then backward has nothing le
 """
 # No `from __future__ import annotations`: DDP compares comm_hook's annotations with the real
 # types (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
-import concurrent.futures
+import functools
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .api import Communicator
-from .sync import Bucket, GradientSync
+from .sync import Bucket, GradientSync, communication_thread
 
 
 class CommHookState:
@@ -51,9 +51,7 @@ class CommHookState:
         self.names = {p: n for n, p in named}
         self.position = {p: i for i, (_, p) in enumerate(named)}
         self.sync = GradientSync(grace, dense_warmup_steps, min_numel)
-        thread_safe = getattr(grace.transport, "thread_safe", True)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="spardl-ddp-comm") if overlap and thread_safe else None
+        self._executor = communication_thread(grace, overlap, "spardl-ddp-comm")
         self._step_error: BaseException | None = None
 
     def canonical(self, params: list[torch.Tensor]) -> tuple[Bucket, list[int]]:
@@ -87,14 +85,14 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     buffer = bucket.buffer()
     params = bucket.parameters()
     canonical, order = state.canonical(params)
-    numels = [p.numel() for p in params]
     last = bucket.is_last()
+    work = functools.partial(_synchronize_into, state, buffer, [p.numel() for p in params],
+                             canonical, order, last)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     if state._executor is None:
-        future.set_result(_synchronize_into(state, buffer, numels, canonical, order, last))
+        future.set_result(work())
         return future
-    done = state._executor.submit(_fulfil, state, future, last, lambda: _synchronize_into(
-        state, buffer, numels, canonical, order, last))
+    done = state._executor.submit(_fulfil, state, future, last, work)
     if last:
         done.result()
     return future

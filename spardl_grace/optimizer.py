@@ -25,7 +25,7 @@ import torch
 from .api import Communicator, communication_dtype
 from .buffers import BufferPool
 from .fusion import assign_grads, flatten_grads
-from .sync import Bucket, GradientSync
+from .sync import Bucket, GradientSync, communication_thread
 
 
 def plan_buckets(named: list[tuple[str, torch.nn.Parameter]],
@@ -107,9 +107,7 @@ class _DistributedOptimizer:
         self._flat_pool = BufferPool()  # each bucket's flat gradients, reused once released
         self._synchronized = False
         self._should_synchronize = True
-        thread_safe = getattr(grace.transport, "thread_safe", True)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spardl-comm") \
-            if overlap and thread_safe else None
+        self._executor = communication_thread(grace, overlap, "spardl-comm")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._slot_of]
 
     @property

@@ -14,6 +14,7 @@ the algorithms handle as on their first step.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -115,6 +116,16 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
                 store.update(zip(bucket.names, torch.split(whole.reshape(-1), bucket.numels)))
             elif not outcome.keep:
                 store.update((n, p) for n, p in zip(bucket.names, parts) if p is not None)
+
+
+def communication_thread(grace: Communicator, overlap: bool,
+                         name: str) -> concurrent.futures.ThreadPoolExecutor | None:
+    """The one thread that synchronises buckets while backward goes on, or None when overlap
+    is off or the transport cannot be used from another thread (an MPI library without
+    MPI_THREAD_MULTIPLE): then buckets are synchronised where they become ready."""
+    if not (overlap and getattr(grace.transport, "thread_safe", True)):
+        return None
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
 
 
 class GradientSync:
