@@ -8,9 +8,10 @@ its built-in all-reduce, its fp16 compression hook, or its PowerSGD hook.
 Nothing here re-implements a hook: torch.distributed.algorithms.ddp_comm_hooks are called as
 they are. DDP gets one bucket for the whole model unless bucket_cap_mb is given (PowerSGD's hook
 fails on gloo with several buckets, "Received data size doesn't match expected size", and one
-bucket is also what SparDL gets by default); DDP's own default is 25 MB. Bytes are counted from what the hooks all-reduce: the whole
-gradient (fp32, or fp16 with the fp16 hook), or PowerSGD's own count of the entries it sends
-(P and Q factors plus the tensors it leaves uncompressed), each through a ring all-reduce.
+bucket is also what SparDL gets by default); DDP's own default is 25 MB. Bytes are counted
+from what the hooks all-reduce: the whole gradient (fp32, or fp16 with the fp16 hook), or
+PowerSGD's own count of the entries it sends (P and Q factors plus the tensors it leaves
+uncompressed), each through a ring all-reduce.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from spardl_grace.transport.counting import ring_allreduce_bytes
 
 BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd")
+ONE_BUCKET_MB = 1024  # DDP's bucket cap that keeps every model here in one bucket
 
 
 class TorchDDPSync:
@@ -40,7 +42,7 @@ class TorchDDPSync:
         self.world = dist.get_world_size()
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.model = torch.nn.parallel.DistributedDataParallel(
-            model, bucket_cap_mb=1024 if bucket_cap_mb is None else bucket_cap_mb)
+            model, bucket_cap_mb=ONE_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb)
         self.optimizer = optimizer
         self.powersgd = None
         if name == "torch_fp16":

@@ -61,7 +61,6 @@ GRACE_PAIRS = {
     "natural": ("none", "allgather"),
 }
 BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd")  # experiments.baselines
-ONE_BUCKET_MB = 1024  # DDP's bucket cap that keeps every model here in one bucket
 COMPRESSORS = (*SPARSE_ALLREDUCES, *GRACE_PAIRS, *BASELINES)
 WEIGHT_DECAY = 1e-4
 # DGC's density warm-up over this many first epochs is the sparse all-reduces' default: of
@@ -615,9 +614,6 @@ class GraceHookSync(GraceSync):
     def last_stats(self) -> dict[str, float]:
         return self.hook.last_stats
 
-    def set_density(self, density: float) -> None:
-        self.grace.set_density(density)
-
     def compression_state(self) -> dict[str, Any]:
         return self.hook.state_dict()
 
@@ -640,6 +636,7 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport):
     counting = spardl_grace.CountingTransport(transport)
     grc = spardl_grace.grace_from_params(params, transport=counting)
     if args.ddp_hook:
+        from experiments.baselines import ONE_BUCKET_MB
         return GraceHookSync(model, sgd, counting, grc, args.bucket_cap_mb or ONE_BUCKET_MB,
                              not args.no_overlap), params
     optimizer = spardl_grace.DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters(),
