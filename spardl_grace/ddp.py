@@ -117,19 +117,22 @@ def _fulfil(state: CommHookState, future: torch.futures.Future, last: bool,
 
 def _synchronize_into(state: CommHookState, buffer: torch.Tensor, numels: list[int],
                       canonical: Bucket, order: list[int], last: bool) -> torch.Tensor:
-    """Synchronise DDP's bucket `buffer` (parameters of `numels` in DDP's order) and write the
-    average back into it."""
+    """The average of DDP's bucket `buffer` (parameters of `numels` in DDP's order), laid out
+    as `buffer` and in its dtype.
+
+    In DDP's layout the communicator's result is returned as it is, without a copy into
+    `buffer`: DDP copies the future's tensor into the gradients before backward returns (its
+    reducer copies from a hook's result unless it is the bucket buffer itself), and the
+    communicator reuses that storage (reuse_results) only at the next step. A reordered bucket
+    is written back into `buffer` in DDP's order."""
     ddp_parts = torch.split(buffer, numels)
     reordered = order != sorted(order)
     flat = torch.cat([ddp_parts[j] for j in order]) if reordered else buffer
     result = state.sync.synchronize(flat, canonical)
-    # Into DDP's own bucket buffer, as torch's hooks do: the communicator may reuse `result`'s
-    # storage at the next step (reuse_results), so DDP must not keep views of it.
     if reordered:
         for j, part in zip(order, torch.split(result, canonical.numels)):
             ddp_parts[j].copy_(part)
-    else:
-        buffer.copy_(result)
+        result = buffer
     if last:
         state.sync.end_step()
-    return buffer
+    return result.to(buffer.dtype)
