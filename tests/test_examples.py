@@ -1,0 +1,64 @@
+"""examples/: every script runs as its docstring says, under its launcher, on 2 ranks."""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from conftest import ROOT, _env, launcher_command, require
+
+EXAMPLES = ROOT / "examples"
+LOSS = re.compile(r"loss (\d+\.\d+) -> (\d+\.\d+) over \d+ steps; replicas identical: True")
+
+
+def run_example(backend: str, script: str, *args: str, env: dict[str, str] | None = None) -> str:
+    require(backend)
+    cmd = launcher_command(backend, 2, [str(EXAMPLES / script), *args])
+    proc = subprocess.run(cmd, cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def trained(output: str) -> tuple[float, float]:
+    """(first, last) mean loss of the example's report, which must say the replicas agree."""
+    match = LOSS.search(output)
+    assert match, f"no report with identical replicas in:\n{output}"
+    first, last = float(match[1]), float(match[2])
+    assert last < 0.5 * first, f"the loss did not fall: {first} -> {last}"
+    return first, last
+
+
+@pytest.mark.parametrize("backend,script", [
+    ("gloo", "ddp_comm_hook.py"), ("gloo", "grace_loop.py"), ("mpi", "mpirun_optimizer.py"),
+    ("horovod-gloo", "horovod_optimizer.py"), ("horovod-mpi", "horovod_optimizer.py")])
+def test_example_trains_with_identical_replicas(backend, script):
+    trained(run_example(backend, script))
+
+
+def test_examples_compute_the_same_spardl_under_every_launcher():
+    """The DDP hook, Horovod and plain MPI all run SparDL on the same batches: the same losses."""
+    reports = {trained(run_example(backend, script)) for backend, script in [
+        ("gloo", "ddp_comm_hook.py"), ("mpi", "mpirun_optimizer.py"),
+        ("horovod-gloo", "horovod_optimizer.py")]}
+    assert len(reports) == 1, reports
+
+
+def test_deepreduce_example_codes_fewer_bytes_and_still_trains():
+    output = run_example("gloo", "deepreduce_codecs.py")
+    sent = dict(re.findall(r"; (uncoded|bloom \+ polyfit): (\d+) bytes sent per step", output))
+    assert set(sent) == {"uncoded", "bloom + polyfit"}, output
+    assert int(sent["bloom + polyfit"]) < int(sent["uncoded"])
+    assert len(LOSS.findall(output)) == 2
+    for line in output.splitlines():
+        if LOSS.search(line):
+            trained(line)
+
+
+def test_checkpoint_example_resumes_bit_identically(tmp_path):
+    output = run_example("gloo", "checkpoint_resume.py", env={"CHECKPOINT_DIR": str(tmp_path)})
+    assert ("bit-identical to the uninterrupted run: True; replicas identical: True"
+            in output), output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-rank0.pt",
+                                                          "checkpoint-rank1.pt"]
