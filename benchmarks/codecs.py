@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/codecs_spardl.json"))
+    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     grads = gradients(args.workers, args.steps)

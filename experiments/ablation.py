@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra", default="", help="more training-CLI options for every run")
     p.add_argument("--parallel", type=int, default=1,
                    help="runs at a time (each is --workers processes; one GPU can hold several)")
-    p.add_argument("--out", default="experiments/results/ablation")
+    p.add_argument("--out", default="runs/ablation")
     p.add_argument("--report", action="store_true",
                    help="run nothing: tabulate the finished runs in OUT (any configs and seeds)")
     args = p.parse_args(argv)

@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-epochs", type=int, default=100, help="the time budget ends runs first")
     p.add_argument("--max-steps", type=int, default=None, help="per epoch")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="experiments/results/main_job")
+    p.add_argument("--out", default="runs/main_job")
     p.add_argument("--quick", action="store_true",
                    help="FashionCNN, 2,000 images, 12 steps per algorithm (CI)")
     args = p.parse_args(argv)

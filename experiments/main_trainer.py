@@ -196,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="evaluate on N test samples, evenly spaced over the set")
     p.add_argument("--max-steps", type=int, default=None, help="stop each epoch after N steps")
     p.add_argument("--log", default="csv", help=f"comma-separated of {', '.join(LOGS)} (csv/jsonl always)")
-    p.add_argument("--out", default="experiments/results/run")
+    p.add_argument("--out", default="runs/train")
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT/ckpt-rank{r}.pt (or the previous one, kept beside it)")
     p.add_argument("--checkpoint-every", type=int, default=0,

@@ -303,12 +303,6 @@ def test_config_file_gives_the_same_options_as_the_command_line(tmp_path):
         main_trainer.parse_args(["--config", str(tmp_path / "bad.json")])
 
 
-def test_installed_as_a_console_script():
-    from importlib.metadata import entry_points
-    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
-    assert scripts.get("spardl-train") == "experiments.main_trainer:main"
-
-
 @pytest.mark.parametrize("launch_with", ["self", "torchrun"])
 def test_real_launches(tmp_path, launch_with):
     """As a plain command with --nworkers 2 (it spawns its own gloo workers), and under
