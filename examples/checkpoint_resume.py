@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import spardl_grace
+from spardl_grace.transport.torch_dist import destroy_and_exit
 from spardl_grace.checkpoint import check_same_step, load_checkpoint, save_checkpoint
 from toy_task import make_model, parse_args, replicas_identical, train_step
 
@@ -67,4 +68,6 @@ if rank == 0:
     print(f"resumed from {loaded_from.name} at step {saved['step']}; bit-identical to the "
           f"uninterrupted run: {torch.equal(flat(model), uninterrupted)}; "
           f"replicas identical: {identical}", flush=True)
-dist.destroy_process_group()
+# torch 2.13's gloo can abort a process that exits normally after its last collective
+# ("terminate called without an active exception"); this ends the process without that race.
+destroy_and_exit()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import spardl_grace
+from spardl_grace.transport.torch_dist import destroy_and_exit
 from toy_task import batch, make_model, parse_args, replicas_identical, report
 
 args = parse_args(__doc__)
@@ -33,4 +34,6 @@ for step in range(args.steps):
     optimizer.step()
     losses.append(loss.item())
 report(rank, losses, replicas_identical(grc.transport, model))
-dist.destroy_process_group()
+# torch 2.13's gloo can abort a process that exits normally after its last collective
+# ("terminate called without an active exception"); this ends the process without that race.
+destroy_and_exit()

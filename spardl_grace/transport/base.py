@@ -10,8 +10,11 @@ device of the tensor the caller passed in.
 """
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -116,3 +119,29 @@ def from_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if data.storage_offset() % itemsize:
         data = data.clone()
     return data.view(dtype)
+
+
+_FAIL_AT_EXIT: set[str] = set()
+
+
+def fail_job_at_exit(backend: str, end: Callable[[], None]) -> None:
+    """After a timeout a peer may be frozen, and the backend's shutdown at interpreter exit
+    (MPI_Finalize, which mpi4py runs; Horovod's shutdown) waits for that peer: forever under
+    MPI, Horovod's own gloo timeout (30 s) under Horovod. Once per process and backend, register
+    `end` to run at exit before that shutdown (atexit runs last-registered first, and mpi4py's
+    finalisation after every atexit function): it must end the process, or the whole job, with
+    a failure. Output is flushed first, so the error that caused it is not lost."""
+    if backend in _FAIL_AT_EXIT:
+        return
+    _FAIL_AT_EXIT.add(backend)
+
+    def flush_and_end() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        end()
+    atexit.register(flush_and_end)
+
+
+def exit_with_failure() -> None:
+    """End this process at once with status 1, skipping the remaining exit handlers."""
+    os._exit(1)

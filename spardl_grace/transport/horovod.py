@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
-                   as_bytes, check_received, from_bytes)
+                   as_bytes, check_received, exit_with_failure, fail_job_at_exit, from_bytes)
 
 
 class HorovodTransport(Transport):
@@ -39,6 +39,9 @@ class HorovodTransport(Transport):
         deadline = time.monotonic() + self.timeout
         while not self._hvd.poll(handle):
             if time.monotonic() > deadline:
+                # Horovod's shutdown would wait out its own timeout for the peer; horovodrun
+                # ends the other ranks once this one exits with a failure.
+                fail_job_at_exit("horovod", exit_with_failure)
                 raise TransportTimeout(f"rank {self.rank}: Horovod op '{name}' did not complete "
                                        f"within {self.timeout:.1f}s (a peer may have died)")
             time.sleep(0.0002)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
-                   as_bytes, check_received, from_bytes)
+                   as_bytes, check_received, fail_job_at_exit, from_bytes)
 
 _REDUCE_DTYPES = {torch.float32: "FLOAT", torch.float64: "DOUBLE", torch.int32: "INT",
                   torch.int64: "INT64_T", torch.uint8: "UNSIGNED_CHAR"}
@@ -45,8 +45,15 @@ class MPITransport(Transport):
                 # Spin briefly for latency, then yield the core: ranks are often oversubscribed.
                 time.sleep(0.0002)
                 if time.monotonic() > deadline:
+                    # MPI_Abort: mpirun then ends every rank, a frozen one included.
+                    fail_job_at_exit("mpi", lambda: self.comm.Abort(1))
                     for r in requests:
-                        r.Cancel()
+                        # Completed requests are null and collectives' cannot be cancelled:
+                        # MPI calls both erroneous, and the timeout must still be what is raised.
+                        try:
+                            r.Cancel()
+                        except self._MPI.Exception:
+                            pass
                     raise TransportTimeout(f"rank {self.rank}: '{name}' did not complete within "
                                            f"{self.timeout:.1f}s (a peer may have died)")
 

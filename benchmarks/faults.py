@@ -1,0 +1,221 @@
+"""Fault injection: one rank of a real training run is killed (SIGKILL) or frozen (SIGSTOP)
+at a random moment, under torchrun, mpirun and horovodrun, and the run must end on its own
+with an error, never hang.
+
+    python -m benchmarks.faults --trials 3 --json benchmarks/results/faults.json
+
+Each trial launches the training CLI (SparDL, FashionCNN on the digits set, 2 ranks, a
+transport timeout of --timeout seconds) under the launcher, waits a random time, then signals
+a randomly chosen rank. It records how long the launcher took to end after the fault, its exit
+status, and whether a surviving rank raised TransportError or TransportTimeout (the library
+noticed) or the launcher ended the job first (it noticed a dead child before any collective
+could). A trial that has not ended within the timeout + --grace seconds counts as a hang; the
+whole process group is then killed. Beside the launcher's end, the first surviving rank's exit
+is timed: torchrun gives a frozen rank 30 s to obey SIGTERM before it sends SIGKILL, so its
+runs end that much after the library noticed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.comm import machine, write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+LAUNCHERS = ("torchrun", "mpirun", "horovodrun")
+FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+TRAINER = "experiments.main_trainer"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma-separated of {', '.join(LAUNCHERS)}")
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated of {', '.join(FAULTS)}")
+    p.add_argument("--trials", type=int, default=3, help="trials per launcher and fault")
+    p.add_argument("--timeout", type=float, default=5.0, help="the transport's timeout, seconds")
+    p.add_argument("--grace", type=float, default=60.0,
+                   help="seconds after the timeout before a run that has not ended is a hang")
+    p.add_argument("--delay", default="2,6", help="the fault comes MIN,MAX seconds after the ranks start")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.launchers = [x for x in args.launchers.split(",") if x]
+    args.faults = [x for x in args.faults.split(",") if x]
+    for given, valid, what in ((args.launchers, LAUNCHERS, "launcher"), (args.faults, FAULTS, "fault")):
+        unknown = sorted(set(given) - set(valid))
+        if unknown:
+            p.error(f"unknown {what}(s) {unknown}; valid: {', '.join(valid)}")
+    try:
+        args.delay = tuple(float(x) for x in args.delay.split(","))
+        assert len(args.delay) == 2 and 0 <= args.delay[0] <= args.delay[1]
+    except (ValueError, AssertionError):
+        p.error(f"--delay must be MIN,MAX seconds with 0 <= MIN <= MAX, got {args.delay!r}")
+    return args
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_vader_single_copy_mechanism="none")
+
+
+def command(launcher: str, out: Path, timeout: float) -> list[str]:
+    trainer = ["-m", TRAINER, "--dnn", "fashioncnn", "--dataset", "digits", "--compression",
+               "--compressor", "spardl", "--batch-size", "16", "--max-epochs", "1000",
+               "--max-steps", "100000", "--out", str(out), "--timeout", str(timeout)]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *trainer]
+    if launcher == "mpirun":
+        return ["mpirun", "-np", "2", sys.executable, *trainer]
+    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *trainer]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # The command name may hold spaces and parentheses: the fields after its ')'.
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def ranks(pid: int) -> list[int]:
+    """The training processes under the launcher `pid`."""
+    out = []
+    for p in descendants(pid):
+        try:
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if TRAINER.encode() in argv and Path(argv[0].decode() or "-").name.startswith("python"):
+            out.append(p)
+    return out
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def trial(launcher: str, fault: str, args: argparse.Namespace, rng: random.Random, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{launcher}-{fault}-{rng.random():.6f}"
+    log = tmp / f"{out.name}.log"
+    with open(log, "w") as sink, subprocess.Popen(command(launcher, out, args.timeout), cwd=ROOT, env=env(),
+                                                  stdout=sink, stderr=subprocess.STDOUT,
+                                                  start_new_session=True) as proc:
+        started: list[int] = []
+        try:
+            deadline = time.monotonic() + 120
+            while len(ranks(proc.pid)) < 2:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{launcher} did not start 2 ranks:\n{log.read_text()[-2000:]}")
+                time.sleep(0.1)
+            delay = rng.uniform(*args.delay)
+            time.sleep(delay)
+            victims = ranks(proc.pid)
+            victim = rng.choice(victims)
+            started[:] = victims
+            survivors = [p for p in victims if p != victim]
+            os.kill(victim, FAULTS[fault])
+            fault_at = time.monotonic()
+            code, ended_s, survivor_s = None, None, None
+            while time.monotonic() < fault_at + args.timeout + args.grace:
+                if survivor_s is None and not all(running(p) for p in survivors):
+                    survivor_s = time.monotonic() - fault_at
+                if proc.poll() is not None:
+                    code, ended_s = proc.returncode, time.monotonic() - fault_at
+                    break
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            for p in started:  # a rank its launcher left behind (a frozen one, say)
+                if running(p):
+                    os.kill(p, signal.SIGKILL)
+    text = log.read_text()
+    return {"launcher": launcher, "fault": fault, "after_start_s": round(delay, 3),
+            "exit_code": code, "hung": code is None, "ended_after_fault_s": ended_s,
+            "survivor_exited_after_fault_s": survivor_s,
+            "raised": next((name for name in ("TransportTimeout", "TransportError") if name in text), None),
+            "error_exit": code not in (None, 0)}
+
+
+def summarize(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for launcher in dict.fromkeys(t["launcher"] for t in trials):
+        for fault in dict.fromkeys(t["fault"] for t in trials):
+            ts = [t for t in trials if t["launcher"] == launcher and t["fault"] == fault]
+            if not ts:
+                continue
+            ended = [t["ended_after_fault_s"] for t in ts if t["ended_after_fault_s"] is not None]
+            noticed = [t["survivor_exited_after_fault_s"] for t in ts
+                       if t["survivor_exited_after_fault_s"] is not None]
+            rows.append({"launcher": launcher, "fault": fault, "injected": len(ts),
+                         "ended_with_error": sum(t["error_exit"] for t in ts),
+                         "library_raised": sum(t["raised"] is not None for t in ts),
+                         "hung": sum(t["hung"] for t in ts),
+                         "max_s_to_survivor_exit": max(noticed) if noticed else None,
+                         "median_s_to_end": statistics.median(ended) if ended else None,
+                         "max_s_to_end": max(ended) if ended else None})
+    return rows
+
+
+def table(rows: list[dict[str, Any]], timeout: float) -> str:
+    lines = [f"transport timeout {timeout:g} s; seconds after the fault: until the first "
+             "surviving rank exited (max), until the launcher ended (median, max)",
+             f"{'launcher':<12}{'fault':<7}{'injected':>9}{'error exit':>11}{'raised':>8}{'hung':>6}"
+             f"{'survivor':>10}{'median':>8}{'max':>8}"]
+    def fmt(x):
+        return f"{x:.1f}" if x is not None else "-"
+    for r in rows:
+        lines.append(f"{r['launcher']:<12}{r['fault']:<7}{r['injected']:>9}{r['ended_with_error']:>11}"
+                     f"{r['library_raised']:>8}{r['hung']:>6}{fmt(r['max_s_to_survivor_exit']):>10}"
+                     f"{fmt(r['median_s_to_end']):>8}{fmt(r['max_s_to_end']):>8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    rng = random.Random(args.seed)
+    trials = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.trials):
+            for launcher in args.launchers:
+                for fault in args.faults:
+                    trials.append(trial(launcher, fault, args, rng, Path(tmp)))
+                    print(trials[-1], flush=True)
+    rows = summarize(trials)
+    print(table(rows, args.timeout))
+    result = {"machine": machine(), "config": {k: v for k, v in vars(args).items() if k != "json"},
+              "summary": rows, "trials": trials}
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
