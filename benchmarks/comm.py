@@ -42,6 +42,7 @@ from typing import Any
 
 from benchmarks import costmodel
 from benchmarks.comm_worker import HOROVOD, POWERSGD_START, TORCH_HOOKS
+from benchmarks.launch import launch_env
 from benchmarks.netem import EmulatedNetwork, rank_env, rate_bits_per_s, run_all
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,21 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    bin_dir = str(Path(sys.executable).parent)
-    env.update({"PYTHONPATH": f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}",
-                "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
-                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "OMPI_MCA_rmaps_base_oversubscribe": "1",
-                "OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
-    return env
-
-
 def launch(args: argparse.Namespace, config: Path, net: EmulatedNetwork | None) -> None:
     """Run the workers to completion; raises RuntimeError with their output if one fails."""
     worker = [sys.executable, "-m", "benchmarks.comm_worker", str(config)]
-    env = _env()
+    env = launch_env()
     if args.backend == "mpi":
         cmds = [["mpirun", "-np", str(args.workers), *worker]]
         envs = [env]

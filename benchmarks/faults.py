@@ -22,17 +22,16 @@ import random
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.comm import machine, write_json
+from benchmarks.launch import ROOT, launch_env, launcher_command
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-LAUNCHERS = ("torchrun", "mpirun", "horovodrun")
+BACKENDS = {"torchrun": "gloo", "mpirun": "mpi", "horovodrun": "horovod-gloo"}
+LAUNCHERS = tuple(BACKENDS)
 FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 TRAINER = "experiments.main_trainer"
 
@@ -63,34 +62,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_vader_single_copy_mechanism="none")
-
-
 def command(launcher: str, out: Path, timeout: float) -> list[str]:
-    trainer = ["-m", TRAINER, "--dnn", "fashioncnn", "--dataset", "digits", "--compression",
-               "--compressor", "spardl", "--batch-size", "16", "--max-epochs", "1000",
-               "--max-steps", "100000", "--out", str(out), "--timeout", str(timeout)]
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *trainer]
-    if launcher == "mpirun":
-        return ["mpirun", "-np", "2", sys.executable, *trainer]
-    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *trainer]
+    return launcher_command(BACKENDS[launcher], 2, [
+        "-m", TRAINER, "--dnn", "fashioncnn", "--dataset", "digits", "--compression",
+        "--compressor", "spardl", "--batch-size", "16", "--max-epochs", "1000",
+        "--max-steps", "100000", "--out", str(out), "--timeout", str(timeout)])
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and
+    parentheses): state first, then the parent's pid. None if the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, from /proc (no psutil needed)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                # The command name may hold spaces and parentheses: the fields after its ')'.
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
             children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
@@ -115,19 +107,17 @@ def ranks(pid: int) -> list[int]:
 
 def running(pid: int) -> bool:
     """Whether `pid` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def trial(launcher: str, fault: str, args: argparse.Namespace, rng: random.Random, tmp: Path) -> dict[str, Any]:
     out = tmp / f"{launcher}-{fault}-{rng.random():.6f}"
     log = tmp / f"{out.name}.log"
-    with open(log, "w") as sink, subprocess.Popen(command(launcher, out, args.timeout), cwd=ROOT, env=env(),
+    with open(log, "w") as sink, subprocess.Popen(command(launcher, out, args.timeout), cwd=ROOT, env=launch_env(),
                                                   stdout=sink, stderr=subprocess.STDOUT,
                                                   start_new_session=True) as proc:
-        started: list[int] = []
+        victims: list[int] = []
         try:
             deadline = time.monotonic() + 120
             while len(ranks(proc.pid)) < 2:
@@ -138,7 +128,6 @@ def trial(launcher: str, fault: str, args: argparse.Namespace, rng: random.Rando
             time.sleep(delay)
             victims = ranks(proc.pid)
             victim = rng.choice(victims)
-            started[:] = victims
             survivors = [p for p in victims if p != victim]
             os.kill(victim, FAULTS[fault])
             fault_at = time.monotonic()
@@ -154,7 +143,7 @@ def trial(launcher: str, fault: str, args: argparse.Namespace, rng: random.Rando
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            for p in started:  # a rank its launcher left behind (a frozen one, say)
+            for p in victims:  # a rank its launcher left behind (a frozen one, say)
                 if running(p):
                     os.kill(p, signal.SIGKILL)
     text = log.read_text()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import spardl_grace
 from spardl_grace.transport.torch_dist import destroy_and_exit
 from spardl_grace.checkpoint import check_same_step, load_checkpoint, save_checkpoint
-from toy_task import make_model, parse_args, replicas_identical, train_step
+from toy_task import flat_params, make_model, parse_args, replicas_identical, train_step
 
 args = parse_args(__doc__, steps=40)
 dist.init_process_group("gloo")
@@ -36,14 +36,10 @@ def build():
     return model, optimizer, grc
 
 
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 model, optimizer, _ = build()
 for step in range(args.steps):
     train_step(model, optimizer, rank, step)
-uninterrupted = flat(model)
+uninterrupted = flat_params(model)
 
 model, optimizer, grc = build()
 half = args.steps // 2
@@ -66,7 +62,7 @@ for step in range(saved['step'], args.steps):
 identical = replicas_identical(grc.transport, model)
 if rank == 0:
     print(f"resumed from {loaded_from.name} at step {saved['step']}; bit-identical to the "
-          f"uninterrupted run: {torch.equal(flat(model), uninterrupted)}; "
+          f"uninterrupted run: {torch.equal(flat_params(model), uninterrupted)}; "
           f"replicas identical: {identical}", flush=True)
 # torch 2.13's gloo can abort a process that exits normally after its last collective
 # ("terminate called without an active exception"); this ends the process without that race.

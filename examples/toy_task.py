@@ -45,9 +45,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, st
     return loss.item()
 
 
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """Every parameter of `model`, one after another in a 1-D tensor."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def replicas_identical(transport, model: nn.Module) -> bool:
     """Whether every rank holds bit-identical parameters (one all-gather over `transport`)."""
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = flat_params(model)
     return all(torch.equal(flat, other) for other in transport.allgather(flat, "example.check"))
 
 

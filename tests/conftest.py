@@ -4,42 +4,18 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.launch import launch_env, launcher_command  # noqa: F401 (tests import both from here)
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "mp_worker.py"
-BIN = Path(sys.executable).parent
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}",
-        "OMP_NUM_THREADS": "1",
-        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-        "OMPI_MCA_rmaps_base_oversubscribe": "1",
-        # Containers often forbid the cross-memory-attach syscalls Open MPI's shared memory uses.
-        "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
-        "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-    })
-    return env
-
-
-def launcher_command(backend: str, nprocs: int, args: list[str]) -> list[str]:
-    if backend == "gloo":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={nprocs}", *args]
-    if backend == "mpi":
-        return ["mpirun", "-np", str(nprocs), sys.executable, *args]
-    if backend in ("horovod", "horovod-gloo", "horovod-mpi"):
-        mode = "--mpi" if backend == "horovod-mpi" else "--gloo"
-        return [str(BIN / "horovodrun"), "-np", str(nprocs), "-H", f"localhost:{nprocs}", mode,
-                sys.executable, *args]
-    raise ValueError(f"unknown backend {backend!r}")
+_env = launch_env
 
 
 def require(backend: str) -> None:

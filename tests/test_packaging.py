@@ -66,6 +66,11 @@ def test_one_version_and_a_torch_range(wheel):
     assert extras == {"horovod", "mpi", "wandb", "experiments", "dev"}
 
 
+def _name(requirement: str) -> str:
+    """The package name of a requirement specifier ('torch>=2.1' -> 'torch')."""
+    return re.split(r"[<>=!~ ;\[]", requirement, maxsplit=1)[0].lower()
+
+
 def _requirements(name: str) -> set[str]:
     """Package names of a requirement file, following its -r includes."""
     names: set[str] = set()
@@ -74,17 +79,16 @@ def _requirements(name: str) -> set[str]:
         if line.startswith("-r "):
             names |= _requirements(line[3:].strip())
         elif line and not line.startswith("#"):
-            names.add(re.split(r"[<>=!~ ;\[]", line, maxsplit=1)[0].lower())
+            names.add(_name(line))
     return names
 
 
 def test_extras_name_what_the_setup_installs():
     """The set-up installs from requirements/*.txt, pip users get the extras: the same packages."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras = {k: {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in v}
-              for k, v in project["optional-dependencies"].items()}
+    extras = {k: {_name(r) for r in v} for k, v in project["optional-dependencies"].items()}
     base = _requirements("base.txt")
-    assert {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in project["dependencies"]} == base
+    assert {_name(r) for r in project["dependencies"]} == base
     assert extras["experiments"] == _requirements("experiments.txt") - base
     assert extras["dev"] == _requirements("dev.txt") - base
     assert extras["horovod"] == _requirements("horovod.txt")
