@@ -46,6 +46,8 @@ class DeepReduceCodec(PayloadCodec):
         self.stats: dict[str, int] = defaultdict(int)
 
     def encode_bytes(self, block, indices, key):
+        """The framed message (header, index section, value section) for `block`'s entries at
+        `indices`."""
         return self._code(block, indices, key)[0]
 
     def encode(self, block, indices, key):
@@ -73,6 +75,8 @@ class DeepReduceCodec(PayloadCodec):
         return message, positions, value_section
 
     def decode(self, data, block_size, dtype, device, key):
+        """(int64 indices, values) from a framed message; ValueError when it is corrupted,
+        truncated, or coded with other codecs."""
         header, index_section, value_section = wire.read(data)
         if (header.index_codec, header.value_codec) != (self.index.code, self.value.code):
             raise ValueError(f"message coded with codecs ({header.index_codec}, {header.value_codec}), "

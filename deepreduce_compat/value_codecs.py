@@ -28,10 +28,13 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 class ValueCodec:
+    """Codes the values of a sparse message (in position order) into a uint8 section and back.
+    `name` is the config key, `code` the id in the wire header."""
     name = "value"
     code = 0
 
     def encode(self, values: torch.Tensor, key: str) -> torch.Tensor:
+        """The uint8 section for `values`; `key` seeds any randomness, the same on the receiver."""
         raise NotImplementedError
 
     def decode(self, section: torch.Tensor, count: int, dtype: torch.dtype, key: str) -> torch.Tensor:

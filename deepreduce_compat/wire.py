@@ -26,6 +26,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 @dataclass(frozen=True)
 class Header:
+    """What the 32-byte header says besides the section lengths and the CRC-32: the index and
+    value codec ids, the values' dtype, the number of entries and the block size."""
     index_codec: int
     value_codec: int
     dtype: torch.dtype
@@ -41,6 +43,8 @@ def _crc(*sections: torch.Tensor) -> int:
 
 
 def write(header: Header, index_section: torch.Tensor, value_section: torch.Tensor) -> torch.Tensor:
+    """One uint8 message: the header, then the index and value sections. ValueError for a
+    dtype the wire format cannot name."""
     if header.dtype not in DTYPES:
         raise ValueError(f"DeepReduce codes values of dtype {[str(d) for d in DTYPES]}, got {header.dtype}")
     head = _HEADER.pack(MAGIC, VERSION, header.index_codec, header.value_codec,

@@ -73,9 +73,11 @@ class Compressor(ABC):
         return total
 
     def state_dict(self) -> dict[str, Any]:
+        """The per-name step counters, as plain values (loads with torch.load(weights_only=True))."""
         return {"steps": dict(self._steps)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned; names it lacks start afresh."""
         self._steps = dict(state.get("steps", {}))
 
 
@@ -91,6 +93,7 @@ class Memory(ABC):
         self.transport: Transport | None = None
 
     def bind(self, transport: Transport) -> None:
+        """Give the memory the transport (memories that need the rank or the world size)."""
         self.transport = transport
 
     @abstractmethod
@@ -127,10 +130,12 @@ class Memory(ABC):
         return []
 
     def state_dict(self) -> dict[str, Any]:
+        """The remembered tensors (residuals, velocities) and counters, as tensors and plain
+        values; empty for a memory that keeps nothing."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Restore what state_dict() returned."""
 
 
 def _bind(part: Any, transport: Transport) -> None:
@@ -244,6 +249,9 @@ class Communicator(ABC):
         return self.receive_step(handles, ctx)
 
     def send_step(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
+        """GRACE's Horovod-style first half of step(): check that the ranks agree on `name`,
+        compensate, compress, update the memory, exchange. Returns (handles, ctx) for
+        receive_step(); the exchange has completed when it returns."""
         self.agree(tensor, name)
         compensated = self.memory.compensate(tensor, name)
         tensors, ctx = self.compressor.compress(compensated, name)
@@ -253,6 +261,8 @@ class Communicator(ABC):
         return self.send_receive(tensors, name, ctx), ctx
 
     def receive_step(self, handles: Any, ctx: Any) -> torch.Tensor:
+        """GRACE's Horovod-style second half of step(): the synchronised tensor from
+        send_step()'s (handles, ctx)."""
         return handles
 
     @abstractmethod
@@ -280,6 +290,8 @@ class Communicator(ABC):
                 "communicator": self._own_state(), "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned. Raises ValueError when it was written by another
+        number of workers: residuals and schedules belong to one partition of the work."""
         if state.get("world_size", self.world_size) != self.world_size:
             raise ValueError(f"checkpoint was written by {state['world_size']} workers, this run "
                              f"has {self.world_size}: residuals and schedules do not carry over")
@@ -329,6 +341,9 @@ class SparseAllreduce(Communicator):
         self.density = float(density)
 
     def send_step(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
+        """Check that the ranks agree on `name`, compensate (into the algorithm's own buffer
+        where it offers one), run the sparse all-reduce, and hand the memory the residual the
+        all-reduce left. Returns (result shaped like `tensor`, None)."""
         self.agree(tensor, name)
         buffer = self.compensation_buffer(tensor, name)
         if buffer is None:

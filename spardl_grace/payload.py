@@ -43,6 +43,9 @@ class PayloadCodec(ABC):
         """(int64 indices, values) from a message; raises ValueError on a malformed one."""
 
     def encode(self, block: torch.Tensor, indices: torch.Tensor, key: str) -> Encoded:
+        """The message for `block`'s entries at `indices`, with exactly what the receiver will
+        decode from it (indices and values), so the sender can subtract that. This default decodes
+        its own message; codecs that know the answer without decoding override it."""
         data = self.encode_bytes(block, indices, key)
         idx, vals = self.decode(data, block.numel(), block.dtype, block.device, key)
         return Encoded(data, idx, vals)

@@ -161,6 +161,8 @@ class GradientSync:
         self._step_stats: dict[str, float] = {}
 
     def is_dense(self, bucket: Bucket) -> bool:
+        """Whether `bucket` is synchronised dense this step: during the dense warm-up, or when it
+        holds fewer than min_numel entries."""
         return self.steps < self.dense_warmup_steps or bucket.numel < self.min_numel
 
     def synchronize(self, flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:

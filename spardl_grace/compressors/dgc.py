@@ -10,6 +10,8 @@ from ._sparse import SparseCompressorMixin
 
 
 class DgcCompressor(SparseCompressorMixin, Compressor):
+    """GRACE's 'dgc': entries above a threshold estimated from a random sample (module
+    docstring), sent as [values, indices] of varying size."""
     def __init__(self, compress_ratio: float, sample_ratio: float = 0.01, seed: int = 0):
         super().__init__(tensors_size_are_same=False)
         self.compress_ratio = compress_ratio
@@ -40,4 +42,5 @@ class DgcCompressor(SparseCompressorMixin, Compressor):
         return [flat[indices], indices], (numel, tensor.shape, mask)
 
     def decompress(self, tensors, ctx):
+        """The dense tensor from [values, indices] (ctx also holds the selection mask, which the dgc memory uses)."""
         return super().decompress(tensors, ctx[:2])

@@ -8,6 +8,7 @@ from ..api import Compressor
 
 
 class EFSignSGDCompressor(Compressor):
+    """GRACE's 'efsignsgd': sign bits and the mean magnitude; pair with memory 'efsignsgd'."""
     def __init__(self, lr: float):
         super().__init__(average=True)
         self.learning_rate = lr

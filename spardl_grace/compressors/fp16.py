@@ -5,6 +5,8 @@ from ..api import Compressor
 
 
 class FP16Compressor(Compressor):
+    """GRACE's 'fp16': floating-point tensors sent as float16 and restored to their dtype;
+    other tensors unchanged."""
     def compress(self, tensor, name):
         if tensor.is_floating_point():
             return [tensor.to(torch.float16)], tensor.dtype

@@ -13,6 +13,8 @@ _MAX_EXP = 127 - _BIAS
 
 
 class NaturalCompressor(Compressor):
+    """'natural': unbiased stochastic rounding to powers of two, one byte per entry (module
+    docstring)."""
     def __init__(self, seed: int = 0):
         super().__init__()
         self.seed = seed

@@ -3,6 +3,7 @@ from ..api import Compressor
 
 
 class NoneCompressor(Compressor):
+    """GRACE's 'none': the tensor itself."""
     def compress(self, tensor, name):
         return [tensor], None
 

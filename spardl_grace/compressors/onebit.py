@@ -6,6 +6,7 @@ from ..api import Compressor
 
 
 class OneBitCompressor(Compressor):
+    """GRACE's 'onebit': one bit per entry and the mean of each side (module docstring)."""
     def compress(self, tensor, name):
         flat = tensor.reshape(-1)
         negative = flat < 0

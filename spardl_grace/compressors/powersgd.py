@@ -17,6 +17,8 @@ def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
 
 
 class PowerSGDCompressor(Compressor):
+    """GRACE's 'powersgd': a rank-`rank` approximation by one warm-started power iteration
+    (module docstring); needs communicator 'allreduce' and memory 'powersgd'."""
     def __init__(self, rank: int = 1, seed: int = 0):
         super().__init__()
         if rank < 1:

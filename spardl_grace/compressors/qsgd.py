@@ -8,6 +8,8 @@ from ..utils.seeding import generator
 
 
 class QSGDCompressor(Compressor):
+    """GRACE's 'qsgd': unbiased stochastic quantisation to quantum_num levels (module
+    docstring)."""
     def __init__(self, quantum_num: int, seed: int = 0):
         super().__init__(tensors_size_are_same=True)
         self.quantum_num = quantum_num

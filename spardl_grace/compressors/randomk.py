@@ -9,6 +9,8 @@ from ._sparse import count_for_ratio, desparsify
 
 
 class RandomKCompressor(Compressor):
+    """GRACE's 'randomk': values at k positions shared by every rank through a seeded
+    generator, so only the values travel."""
     def __init__(self, compress_ratio: float, seed: int = 0):
         super().__init__()
         self.compress_ratio = compress_ratio

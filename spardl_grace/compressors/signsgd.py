@@ -6,6 +6,7 @@ from ..api import Compressor
 
 
 def majority_vote(tensors):
+    """The elementwise majority of ±1 sign tensors: +1 where their sum is >= 0, else -1."""
     total = tensors[0].clone()
     for t in tensors[1:]:
         total += t
@@ -13,6 +14,7 @@ def majority_vote(tensors):
 
 
 class SignSGDCompressor(Compressor):
+    """GRACE's 'signsgd': one uint8 sign per entry, aggregated by majority vote (not averaged)."""
     def __init__(self):
         super().__init__(average=False)
 

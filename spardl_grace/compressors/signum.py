@@ -5,6 +5,7 @@ from .signsgd import SignSGDCompressor, majority_vote
 
 
 class SignumCompressor(SignSGDCompressor):
+    """GRACE's 'signum': the sign of a per-name momentum, aggregated by majority vote."""
     def __init__(self, momentum: float):
         super().__init__()
         self.momentum = momentum

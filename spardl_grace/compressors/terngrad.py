@@ -8,6 +8,7 @@ from ..utils.seeding import generator
 
 
 class TernGradCompressor(Compressor):
+    """GRACE's 'terngrad': unbiased ternary quantisation after clipping (module docstring)."""
     def __init__(self, seed: int = 0):
         super().__init__()
         self.seed = seed

@@ -6,6 +6,8 @@ from ._sparse import SparseCompressorMixin
 
 
 class ThresholdCompressor(SparseCompressorMixin, Compressor):
+    """GRACE's 'threshold': every entry with |x| > threshold, sent as [values, indices] of
+    varying size."""
     def __init__(self, threshold: float):
         super().__init__(tensors_size_are_same=False)
         self.threshold = threshold

@@ -5,6 +5,8 @@ from ._sparse import SparseCompressorMixin, count_for_ratio, topk_abs
 
 
 class TopKCompressor(SparseCompressorMixin, Compressor):
+    """GRACE's 'topk': the compress_ratio fraction of entries largest in magnitude, sent as
+    [values, int64 indices] (the same size on every rank)."""
     def __init__(self, compress_ratio: float):
         super().__init__()
         self.compress_ratio = compress_ratio

@@ -8,6 +8,7 @@ from ..api import Memory
 
 
 class DgcMemory(Memory):
+    """GRACE's 'dgc' memory: momentum correction and momentum factor masking (module docstring)."""
     def __init__(self, momentum: float, gradient_clipping: bool):
         super().__init__()
         self.momentum = momentum

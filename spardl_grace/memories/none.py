@@ -3,6 +3,7 @@ from ..api import Memory
 
 
 class NoneMemory(Memory):
+    """GRACE's 'none' memory: remembers nothing."""
     def compensate(self, tensor, name):
         return tensor
 

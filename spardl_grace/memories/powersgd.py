@@ -4,6 +4,7 @@ from .residual import ResidualMemory
 
 
 class PowerSGDMemory(ResidualMemory):
+    """GRACE's 'powersgd' memory: error feedback against this worker's own approximation."""
     def update(self, tensor, name, compressor, tensor_compressed, ctx):
         if ctx is None:
             return

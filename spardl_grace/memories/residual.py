@@ -33,6 +33,9 @@ from ..buffers import BufferPool
 
 
 class ResidualMemory(Memory):
+    """GRACE's 'residual' memory: A = beta * R + gamma * g, R' = A - what was sent; with
+    momentum_correction and local_clip_norm, DGC's techniques for the sparse all-reduces
+    (module docstring)."""
     def __init__(self, beta: float = 1.0, gamma: float = 1.0, momentum_correction: float = 0.0,
                  local_clip_norm: float | None = None):
         super().__init__()
@@ -117,6 +120,8 @@ class ResidualMemory(Memory):
 
 
 class GlobalResidualMemory(ResidualMemory):
+    """'global_residual': the residual store of the sparse all-reduces, fed after
+    communication with what the all-reduce left (SparDL's Global Residual Collection)."""
     def update(self, tensor, name, compressor, tensor_compressed, ctx):
         raise ValueError("memory 'global_residual' collects residuals after communication and works "
                          "with the sparse all-reduce communicators (spardl, topka, topkdsa, gtopk, "

@@ -22,6 +22,8 @@ from .base import Transport
 
 @dataclass(frozen=True)
 class Message:
+    """One recorded message or collective: its op, its name (the phase is the part before
+    the first dot), the peer, and the bytes this rank sent and received."""
     op: str
     name: str
     peer: int          # the other rank; -1 for a collective recorded as a volume
@@ -63,12 +65,14 @@ class CountingTransport(Transport):
         return sum(m.bytes_received for m in self.messages)
 
     def bytes_sent_by_phase(self) -> dict[str, int]:
+        """Bytes this rank sent since the last reset(), summed per phase (srs, cross, sag, ...)."""
         out: dict[str, int] = defaultdict(int)
         for m in self.messages:
             out[m.phase] += m.bytes_sent
         return dict(out)
 
     def reset(self) -> None:
+        """Forget the recorded messages and round trips."""
         self.messages.clear()
         self.round_trips = 0
 

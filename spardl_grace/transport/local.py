@@ -43,6 +43,8 @@ class LocalTransport(Transport):
 
     @staticmethod
     def world(size: int, timeout: float = DEFAULT_TIMEOUT_S) -> list["LocalTransport"]:
+        """`size` connected transports, one per rank, for threads of one process; operations
+        raise TransportTimeout after `timeout` seconds without their peers."""
         if size < 1:
             raise ValueError(f"world size must be >= 1, got {size}")
         w = _World(size, timeout)

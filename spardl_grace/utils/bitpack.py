@@ -42,6 +42,7 @@ def pack(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def packed_size(count: int, width: int) -> int:
+    """Bytes that pack() writes for `count` values of `width` bits."""
     return math.ceil(count * width / 8)
 
 
