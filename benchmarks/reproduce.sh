@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Reproduces every benchmark table and plot of the README into benchmarks/results/ (about 60
-# minutes on 2 CPU cores; network emulation needs root). Set up on a fresh machine first by
-# scripts/setup_env.sh, which this calls.
+# Reproduces every benchmark table and plot of the docs (docs/results/) into
+# benchmarks/results/ (about 60 minutes on 2 CPU cores; network emulation needs root). Set up
+# on a fresh machine first by scripts/setup_env.sh, which this calls.
 #   1. VGG-16's real gradient (14.7M entries), 4 workers, density 0.01, every algorithm, on an
 #      emulated 1 Gbit and 100 Mbit network (with PyTorch's DDP, fp16 and PowerSGD hooks in the
 #      same runs) and unshaped (loopback); whole training steps against PyTorch's hooks

@@ -56,7 +56,7 @@ def networks(measured: Network) -> dict[str, Network]:
     """The network models predictions are made for. Only the first is measured (its alpha and
     beta per op kind, without the emulator's tbf bucket: a cluster's links have none, and
     at scale ops follow each other too closely to refill one); the others are assumed
-    figures for common clusters (stated in the README)."""
+    figures for common clusters (stated in the docs, results/communication.md)."""
     return {
         "measured link": replace(measured, burst=0.0),
         "10 Gbit, alpha 20 us": Network.from_bandwidth(10, 20e-6),

@@ -1,4 +1,4 @@
-"""The README's benchmark tables, as markdown, from the JSON results.
+"""The benchmark tables of the docs (docs/results/), as markdown, from the JSON results.
 
     python -m benchmarks.tables benchmarks/results > benchmarks/results/tables.md
 """

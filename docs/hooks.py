@@ -1,0 +1,90 @@
+"""mkdocs hooks for the docs site (mkdocs.yml names this file).
+
+- The result plots committed under experiments/results/ and benchmarks/results/ are published
+  at assets/<their path in the repository>, so pages embed them without a second copy in docs/.
+- Before the build, every public module, class, function and method of the library must have a
+  docstring (its own or one inherited from a base class), and every public module must be
+  rendered somewhere in the API reference (a `::: module` line under docs/api/). Each gap is a
+  warning, so `mkdocs build --strict` fails on it.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import griffe
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("spardl_grace", "deepreduce_compat")
+RESULT_DIRS = ("experiments/results", "benchmarks/results")
+log = logging.getLogger("mkdocs.hooks.spardl")
+
+
+def _public(name: str) -> bool:
+    return not name.startswith("_")
+
+
+def _load(packages: tuple[str, ...], search_paths: list[Path]) -> list[griffe.Module]:
+    loader = griffe.GriffeLoader(search_paths=[str(p) for p in search_paths],
+                                 extensions=griffe.load_extensions("griffe_inherited_docstrings"))
+    modules = [loader.load(name) for name in packages]
+    loader.resolve_aliases(implicit=False, external=False)
+    return modules
+
+
+def _walk(obj: griffe.Object):
+    """obj and its public modules, classes and functions, depth first (aliases skipped)."""
+    yield obj
+    for name, member in obj.members.items():
+        if member.is_alias or not _public(name):
+            continue
+        if member.is_module or member.is_class:
+            yield from _walk(member)
+        elif member.is_function:
+            yield member
+
+
+def missing_docstrings(packages: tuple[str, ...] = PACKAGES,
+                       search_paths: list[Path] | None = None) -> list[str]:
+    """Dotted paths of the public modules, classes, functions and methods of `packages` that
+    have no docstring of their own and inherit none."""
+    missing = []
+    for package in _load(packages, search_paths or [ROOT]):
+        for obj in _walk(package):
+            if not obj.docstring or not obj.docstring.value.strip():
+                missing.append(obj.path)
+    return missing
+
+
+def public_modules(packages: tuple[str, ...] = PACKAGES,
+                   search_paths: list[Path] | None = None) -> list[str]:
+    """Dotted names of every public module of `packages`, the packages included."""
+    return [obj.path for package in _load(packages, search_paths or [ROOT])
+            for obj in _walk(package) if obj.is_module]
+
+
+def modules_missing_from_reference(api_dir: Path, modules: list[str]) -> list[str]:
+    """The modules that no `::: name` line of the API reference's pages renders."""
+    rendered = set()
+    for page in api_dir.glob("*.md"):
+        rendered |= set(re.findall(r"^::: ([\w.]+)", page.read_text(), flags=re.MULTILINE))
+    return [m for m in modules if m not in rendered]
+
+
+def on_pre_build(config) -> None:
+    for path in missing_docstrings():
+        log.warning("no docstring: %s (public API must say what it promises)", path)
+    api_dir = Path(config["docs_dir"]) / "api"
+    for module in modules_missing_from_reference(api_dir, public_modules()):
+        log.warning("module %s is not in the API reference: add '::: %s' to a page of %s",
+                    module, module, api_dir.relative_to(ROOT))
+
+
+def on_files(files: Files, config) -> Files:
+    for folder in RESULT_DIRS:
+        for png in sorted((ROOT / folder).rglob("*.png")):
+            rel = png.relative_to(ROOT).as_posix()
+            files.append(File.generated(config, f"assets/{rel}", abs_src_path=str(png)))
+    return files
