@@ -14,6 +14,7 @@ also after an error.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+_networks = itertools.count()
 RATE = re.compile(r"^\d+(\.\d+)?(kbit|mbit|gbit)$")
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
@@ -129,16 +131,21 @@ def _run(*argv: str) -> None:
 class EmulatedNetwork:
     """`size` namespaces on a bridge, every link shaped to `rate` (see the module docstring)."""
 
-    def __init__(self, size: int, rate: str):
+    def __init__(self, size: int, rate: str, interface_name: str | None = None):
+        """interface_name: rename every namespace's interface to it (as every node of a
+        cluster has its eth0), for launchers that select interfaces by a name common to all."""
         if not 1 <= size <= 250:
             raise ValueError(f"size must be 1..250, got {size}")
         self.size = size
         self.rate = rate
         self.bits_per_s = rate_bits_per_s(rate)
-        tag = os.getpid() % 10000
+        # Unique per network, not only per process: a namespace's veth can outlive the
+        # namespace's deletion for a moment, and the next network must not collide with it.
+        tag = (os.getpid() + 997 * next(_networks)) % 10000
         self.prefix = f"sd{tag}"
         self.subnet = f"10.77.{tag % 250}"
         self.bridge = f"{self.prefix}br"
+        self.interface_name = interface_name
         self._made: list[str] = []
 
     def namespace(self, rank: int) -> str:
@@ -146,7 +153,7 @@ class EmulatedNetwork:
 
     def interface(self, rank: int) -> str:
         """The rank's interface inside its namespace (for GLOO_SOCKET_IFNAME)."""
-        return f"{self.prefix}r{rank}"
+        return self.interface_name or f"{self.prefix}r{rank}"
 
     def address(self, rank: int) -> str:
         return f"{self.subnet}.{rank + 1}"
@@ -171,25 +178,43 @@ class EmulatedNetwork:
             tbf = ["root", "tbf", "rate", self.rate, "burst", burst, "latency", "100ms"]
             for rank in range(self.size):
                 ns, inside, outside = self.namespace(rank), self.interface(rank), f"{self.prefix}h{rank}"
+                created = f"{self.prefix}r{rank}"   # unique in the root namespace, where it is made
                 _run("ip", "netns", "add", ns)
                 self._made.append(ns)
-                _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
-                _run("ip", "link", "set", inside, "netns", ns)
+                _run("ip", "link", "add", outside, "type", "veth", "peer", "name", created)
+                _run("ip", "link", "set", created, "netns", ns)
+                if inside != created:
+                    _run("ip", "-n", ns, "link", "set", created, "name", inside)
                 _run("ip", "link", "set", outside, "master", self.bridge, "up")
                 _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", inside)
                 _run("ip", "-n", ns, "link", "set", inside, "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
                 _run("tc", "qdisc", "add", "dev", outside, *tbf)
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inside, *tbf)
+            self._write_hosts()
         except BaseException:
             self.close()
             raise
         return self
 
+    def _write_hosts(self) -> None:
+        """Every namespace's name resolves to its address inside the namespaces, as node names
+        do on a cluster: `ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts, which
+        it extends."""
+        own = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1 localhost\n"
+        names = "".join(f"{self.address(r)} {self.namespace(r)}\n" for r in range(self.size))
+        for rank in range(self.size):
+            folder = Path("/etc/netns") / self.namespace(rank)
+            self._made.append(f"hosts:{folder}")
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(own.rstrip("\n") + "\n" + names)
+
     def close(self) -> None:
         """Remove what was made (deleting a namespace deletes its veth pair)."""
         for item in reversed(self._made):
-            if item == "bridge":
+            if item.startswith("hosts:"):
+                shutil.rmtree(item[len("hosts:"):], ignore_errors=True)
+            elif item == "bridge":
                 subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
             else:
                 subprocess.run(["ip", "netns", "del", item], capture_output=True)

@@ -1,0 +1,49 @@
+"""Two nodes, 2 ranks each, launched by the docs' recipe (docs/guide/multi-node.md): each node
+is a network namespace with its own eth0, hostname and name resolution; mpirun and horovodrun
+reach node 1 through an ssh stand-in that enters its namespace (benchmarks/netns_ssh.py)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmarks import netem, twonode
+from benchmarks.netns_ssh import parse
+from conftest import require
+
+REPORT = re.compile(r"loss (\d+\.\d+) -> (\d+\.\d+) over 60 steps; replicas identical: True")
+
+
+def test_ssh_stand_in_reads_hosts_and_commands_as_ssh_does():
+    assert parse(["-o", "StrictHostKeyChecking=no", "10.0.0.2", "-o", "ConnectTimeout=5", "true"]) \
+        == ("10.0.0.2", ["true"])
+    assert parse(["-x", "-p", "22", "user@node1", "orted", "-mca", "x", "1"]) \
+        == ("node1", ["orted", "-mca", "x", "1"])
+    assert parse(["node1", "--", "ls", "-l"]) == ("node1", ["ls", "-l"])
+    with pytest.raises(SystemExit, match="no host"):
+        parse(["-o", "A=b"])
+
+
+def test_every_launcher_trains_the_same_model_across_two_nodes():
+    """torchrun (c10d rendezvous, one command per node), mpirun and horovodrun (gloo and MPI,
+    one command on node 0): the example trains with identical replicas on all 4 ranks, both
+    nodes' links carry the synchronisation, and every launcher gives the same losses."""
+    why = netem.available()
+    if why:
+        pytest.skip(f"two emulated nodes need network namespaces: {why}")
+    require("horovod")
+    reports = {}
+    for launcher, script in [("torchrun", "examples/ddp_comm_hook.py"),
+                             ("mpirun", "examples/mpirun_optimizer.py"),
+                             ("horovodrun", "examples/horovod_optimizer.py"),
+                             ("horovodrun-mpi", "examples/horovod_optimizer.py")]:
+        run = twonode.run(launcher, [script], timeout=240)
+        detail = f"{launcher}:\n" + "\n".join(o[-2000:] + e[-3000:] for o, e in zip(run.stdout, run.stderr))
+        assert run.returncodes == [0] * len(run.returncodes), detail
+        match = REPORT.search(run.stdout[0])
+        assert match, detail
+        assert float(match[2]) < 0.5 * float(match[1]), detail
+        # 60 steps of SparDL on 4 ranks: well over 100 KB leave each node.
+        assert min(run.tx_bytes) > 100_000, (launcher, run.tx_bytes)
+        reports[launcher] = match.groups()
+    assert len(set(reports.values())) == 1, reports
