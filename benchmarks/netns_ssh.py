@@ -39,6 +39,15 @@ def parse(argv: list[str]) -> tuple[str, list[str]]:
     return host, argv[_skip_options(argv, i + 1):]
 
 
+def on_node(namespace: str, argv: list[str], ip: str = "ip") -> list[str]:
+    """`argv` run on the emulated node `namespace`: in its network namespace, and in a UTS
+    namespace of its own whose hostname is the namespace's name. Launchers tell nodes apart by
+    hostname: Open MPI takes ranks with the same hostname for one node and would connect them
+    by shared memory."""
+    return [ip, "netns", "exec", namespace, "unshare", "--uts", "sh", "-c",
+            'hostname "$0" && exec "$@"', namespace, *argv]
+
+
 def main() -> None:
     host, words = parse(sys.argv[1:])
     hosts = dict(item.split("=", 1) for item in os.environ.get("SPARDL_NETNS_HOSTS", "").split(",") if item)
@@ -50,11 +59,7 @@ def main() -> None:
     ip = shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin")
     if ip is None:
         raise SystemExit("netns_ssh: iproute2's ip is not installed")
-    namespace = hosts[host]
-    # Its own UTS namespace gives the node its own hostname (the namespace's name): Open MPI
-    # takes ranks with the same hostname for one node and would connect them by shared memory.
-    os.execve(ip, [ip, "netns", "exec", namespace, "unshare", "--uts", "sh", "-c",
-                   'hostname "$1" && exec sh -c "$0"', " ".join(words) or "true", namespace], env)
+    os.execve(ip, on_node(hosts[host], ["sh", "-c", " ".join(words) or "true"], ip), env)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .launch import BIN, ROOT, launch_env
 from .netem import EmulatedNetwork, available
+from .netns_ssh import on_node
 
 LAUNCHERS = ("torchrun", "mpirun", "horovodrun", "horovodrun-mpi")
 INTERFACE = "eth0"
@@ -53,8 +54,7 @@ def commands(launcher: str, net: EmulatedNetwork, per_node: int, script: list[st
     if launcher == "torchrun":
         return [[python, "-m", "torch.distributed.run", f"--nnodes={nodes}",
                  f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={net.address(0)}:{PORT}", "--rdzv-id=twonode",
-                 *script] for node in range(nodes)]
+                 f"--rdzv-endpoint={net.address(0)}:{PORT}", "--rdzv-id=twonode", *script]] * nodes
     if launcher == "mpirun":
         return [["mpirun", "-np", str(total), "-H", hosts(net, per_node),
                  "--mca", "oob_tcp_if_include", INTERFACE, "--mca", "btl_tcp_if_include", INTERFACE,
@@ -64,14 +64,6 @@ def commands(launcher: str, net: EmulatedNetwork, per_node: int, script: list[st
         return [[str(BIN / "horovodrun"), "-np", str(total), "-H", hosts(net, per_node), mode,
                  "--network-interface", INTERFACE, python, *script]]
     raise ValueError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
-
-
-def node_command(net: EmulatedNetwork, node: int, argv: list[str]) -> list[str]:
-    """`argv` run on `node`: in its network namespace and under its own hostname (the
-    namespace's name, as benchmarks/netns_ssh.py gives it), since launchers tell nodes apart by
-    hostname."""
-    return net.command(node, ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-                              net.namespace(node), *argv])
 
 
 def _tx_bytes(net: EmulatedNetwork, node: int) -> int:
@@ -96,7 +88,7 @@ def run(launcher: str, script: list[str], per_node: int = 2, rate: str = "10gbit
                     "SPARDL_NETNS_HOSTS": ",".join(f"{net.address(n)}={net.namespace(n)}"
                                                    for n in range(net.size))})
         before = [_tx_bytes(net, node) for node in range(net.size)]
-        procs = [subprocess.Popen(node_command(net, node, cmd), cwd=ROOT, env=env, text=True,
+        procs = [subprocess.Popen(on_node(net.namespace(node), cmd), cwd=ROOT, env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                  for node, cmd in enumerate(commands(launcher, net, per_node, script))]
         try:

@@ -31,6 +31,14 @@ def require(backend: str) -> None:
         pytest.fail("mpirun is missing: scripts/setup_env.sh installs Open MPI")
 
 
+def require_netns() -> None:
+    """Skip where network namespaces cannot be made (not root, no iproute2)."""
+    from benchmarks import netem
+    why = netem.available()
+    if why:
+        pytest.skip(f"network namespaces are not available: {why}")
+
+
 def worker_command(backend: str, nprocs: int, scenario: str, outdir: Path) -> list[str]:
     """The launcher command that runs tests/mp_worker.py's SCENARIO on nprocs ranks (skipping
     or failing, as `require` does, where the launcher is unavailable)."""

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from benchmarks import comm, costmodel, kernels, netem, plots, simulate, tables
 from benchmarks.costmodel import Network, Op
+from conftest import require_netns
 from experiments import report
 from spardl_grace import CountingTransport, grace_from_params, run_local
 
@@ -262,14 +263,8 @@ def test_comm_benchmark_rejects_bad_options(argv, message, capsys):
 
 
 # ------------------------------------------------------------------- network emulation
-def _needs_netns():
-    why = netem.available()
-    if why:
-        pytest.skip(f"network emulation unavailable: {why}")
-
-
 def test_emulated_network_shapes_bandwidth_and_cleans_up():
-    _needs_netns()
+    require_netns()
     payload = 3_000_000
     with netem.EmulatedNetwork(2, "50mbit") as net:
         server = subprocess.Popen(net.command(1, ["python3", "-c", (
@@ -292,7 +287,7 @@ def test_emulated_network_shapes_bandwidth_and_cleans_up():
 
 
 def test_comm_benchmark_on_an_emulated_network(tmp_path):
-    _needs_netns()
+    require_netns()
     result = _small(tmp_path, "--bandwidth", "200mbit", "--algorithms", "dense,spardl")
     # Dense sends 2n(P-1)/P * 4 bytes = 160 kB per rank: at 200 Mbit that is at least 6 ms.
     assert result["algorithms"]["dense"]["comm_s"]["median"] > 160_000 * 8 / 200e6 * 0.8

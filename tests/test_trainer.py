@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, _env
+from conftest import ROOT, _env, require_netns
 from experiments import main_trainer
 from experiments import text
 from experiments.datasets import DATASET_TASKS, DATASETS, load_dataset
@@ -518,10 +518,7 @@ def test_bandwidth_needs_root_or_says_why(tmp_path):
 def test_bandwidth_runs_workers_in_namespaces(tmp_path):
     """--bandwidth 100mbit: 2 workers in their own namespaces, joined over the shaped link;
     the bytes that crossed it are logged beside the payload's."""
-    from benchmarks import netem
-    why = netem.available()
-    if why:
-        pytest.skip(f"network namespaces are not available: {why}")
+    require_netns()
     cmd = [sys.executable, "-m", "experiments.main_trainer", "--dnn", "fashioncnn",
            "--dataset", "digits", "--compression", "--compressor", "spardl", "--batch-size", "16",
            "--max-steps", "4", "--bandwidth", "100mbit", "--nworkers", "2", "--out", str(tmp_path),

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from benchmarks import netem, twonode
+from benchmarks import twonode
 from benchmarks.netns_ssh import parse
-from conftest import require
+from conftest import require, require_netns
 
 REPORT = re.compile(r"loss (\d+\.\d+) -> (\d+\.\d+) over 60 steps; replicas identical: True")
 
@@ -28,9 +28,7 @@ def test_every_launcher_trains_the_same_model_across_two_nodes():
     """torchrun (c10d rendezvous, one command per node), mpirun and horovodrun (gloo and MPI,
     one command on node 0): the example trains with identical replicas on all 4 ranks, both
     nodes' links carry the synchronisation, and every launcher gives the same losses."""
-    why = netem.available()
-    if why:
-        pytest.skip(f"two emulated nodes need network namespaces: {why}")
+    require_netns()
     require("horovod")
     reports = {}
     for launcher, script in [("torchrun", "examples/ddp_comm_hook.py"),
