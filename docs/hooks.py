@@ -26,8 +26,11 @@ def _public(name: str) -> bool:
     return not name.startswith("_")
 
 
-def _load(packages: tuple[str, ...], search_paths: list[Path]) -> list[griffe.Module]:
-    loader = griffe.GriffeLoader(search_paths=[str(p) for p in search_paths],
+def load(packages: tuple[str, ...] = PACKAGES,
+         search_paths: list[Path] | None = None) -> list[griffe.Module]:
+    """`packages` read statically by griffe (as mkdocstrings reads them), with docstrings
+    inherited from base classes."""
+    loader = griffe.GriffeLoader(search_paths=[str(p) for p in search_paths or [ROOT]],
                                  extensions=griffe.load_extensions("griffe_inherited_docstrings"))
     modules = [loader.load(name) for name in packages]
     loader.resolve_aliases(implicit=False, external=False)
@@ -46,23 +49,20 @@ def _walk(obj: griffe.Object):
             yield member
 
 
-def missing_docstrings(packages: tuple[str, ...] = PACKAGES,
-                       search_paths: list[Path] | None = None) -> list[str]:
-    """Dotted paths of the public modules, classes, functions and methods of `packages` that
-    have no docstring of their own and inherit none."""
+def missing_docstrings(packages: list[griffe.Module]) -> list[str]:
+    """Dotted paths of the public modules, classes, functions and methods of the loaded
+    `packages` that have no docstring of their own and inherit none."""
     missing = []
-    for package in _load(packages, search_paths or [ROOT]):
+    for package in packages:
         for obj in _walk(package):
             if not obj.docstring or not obj.docstring.value.strip():
                 missing.append(obj.path)
     return missing
 
 
-def public_modules(packages: tuple[str, ...] = PACKAGES,
-                   search_paths: list[Path] | None = None) -> list[str]:
-    """Dotted names of every public module of `packages`, the packages included."""
-    return [obj.path for package in _load(packages, search_paths or [ROOT])
-            for obj in _walk(package) if obj.is_module]
+def public_modules(packages: list[griffe.Module]) -> list[str]:
+    """Dotted names of every public module of the loaded `packages`, the packages included."""
+    return [obj.path for package in packages for obj in _walk(package) if obj.is_module]
 
 
 def modules_missing_from_reference(api_dir: Path, modules: list[str]) -> list[str]:
@@ -74,10 +74,11 @@ def modules_missing_from_reference(api_dir: Path, modules: list[str]) -> list[st
 
 
 def on_pre_build(config) -> None:
-    for path in missing_docstrings():
+    packages = load()
+    for path in missing_docstrings(packages):
         log.warning("no docstring: %s (public API must say what it promises)", path)
     api_dir = Path(config["docs_dir"]) / "api"
-    for module in modules_missing_from_reference(api_dir, public_modules()):
+    for module in modules_missing_from_reference(api_dir, public_modules(packages)):
         log.warning("module %s is not in the API reference: add '::: %s' to a page of %s",
                     module, module, api_dir.relative_to(ROOT))
 
