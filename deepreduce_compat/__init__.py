@@ -11,10 +11,20 @@ Value codecs: none, fp16, deflate, qsgd, polyfit, dexp.
                              'communicator': 'spardl', 'deepreduce': 'both',
                              'index': 'bloom', 'value': 'polyfit'})
 """
+
 import spardl_grace  # noqa: F401  (its registry imports our codecs: load it first, either order works)
 
 from .codec import DEFAULTS, INDEX_CODECS, VALUE_CODECS, DeepReduceCodec, codec_from_params
 from .compressors import DeepReduce, IndexCompressor, ValueCompressor, deepreduce_from_params
 
-__all__ = ["DeepReduceCodec", "codec_from_params", "DeepReduce", "IndexCompressor",
-           "ValueCompressor", "deepreduce_from_params", "INDEX_CODECS", "VALUE_CODECS", "DEFAULTS"]
+__all__ = [
+    "DEFAULTS",
+    "INDEX_CODECS",
+    "VALUE_CODECS",
+    "DeepReduce",
+    "DeepReduceCodec",
+    "IndexCompressor",
+    "ValueCompressor",
+    "codec_from_params",
+    "deepreduce_from_params",
+]

@@ -7,6 +7,7 @@ positions the receiver will decode (a Bloom filter's policy may pick others than
 ones), then decodes its own value section: `encode` reports what the receiver gets, bit for
 bit, so whatever coding drops or changes stays in the sender's residual.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -17,23 +18,52 @@ import torch
 from spardl_grace.payload import Encoded, PayloadCodec
 
 from . import wire
-from .index_codecs import (POLICIES, BloomIndex, DeltaIndex, HuffmanIndex, IndexCodec,
-                           RawIndex, RunLengthIndex)
-from .value_codecs import (DeflateValues, DoubleExpValues, FP16Values, PolyFitValues,
-                           QSGDValues, RawValues, ValueCodec)
+from .index_codecs import (
+    POLICIES,
+    BloomIndex,
+    DeltaIndex,
+    HuffmanIndex,
+    IndexCodec,
+    RawIndex,
+    RunLengthIndex,
+)
+from .value_codecs import (
+    DeflateValues,
+    DoubleExpValues,
+    FP16Values,
+    PolyFitValues,
+    QSGDValues,
+    RawValues,
+    ValueCodec,
+)
 
-INDEX_CODECS = {"none": lambda p: RawIndex(), "delta": lambda p: DeltaIndex(),
-                "rle": lambda p: RunLengthIndex(), "huffman": lambda p: HuffmanIndex(),
-                "bloom": lambda p: BloomIndex(p["policy"], p["fpr"], p["seed"])}
-VALUE_CODECS = {"none": lambda p: RawValues(), "fp16": lambda p: FP16Values(),
-                "deflate": lambda p: DeflateValues(),
-                "qsgd": lambda p: QSGDValues(p["quantum_num"], p["bucket_size"], p["seed"]),
-                "polyfit": lambda p: PolyFitValues(p["poly_degree"]),
-                "dexp": lambda p: DoubleExpValues()}
+INDEX_CODECS = {
+    "none": lambda p: RawIndex(),
+    "delta": lambda p: DeltaIndex(),
+    "rle": lambda p: RunLengthIndex(),
+    "huffman": lambda p: HuffmanIndex(),
+    "bloom": lambda p: BloomIndex(p["policy"], p["fpr"], p["seed"]),
+}
+VALUE_CODECS = {
+    "none": lambda p: RawValues(),
+    "fp16": lambda p: FP16Values(),
+    "deflate": lambda p: DeflateValues(),
+    "qsgd": lambda p: QSGDValues(p["quantum_num"], p["bucket_size"], p["seed"]),
+    "polyfit": lambda p: PolyFitValues(p["poly_degree"]),
+    "dexp": lambda p: DoubleExpValues(),
+}
 MODES = (None, "value", "index", "both")
-DEFAULTS: dict[str, Any] = {"deepreduce": None, "index": "bloom", "value": "polyfit", "fpr": None,
-                            "policy": "p0", "poly_degree": 5, "quantum_num": 127,
-                            "bucket_size": 512, "seed": 0}
+DEFAULTS: dict[str, Any] = {
+    "deepreduce": None,
+    "index": "bloom",
+    "value": "polyfit",
+    "fpr": None,
+    "policy": "p0",
+    "poly_degree": 5,
+    "quantum_num": 127,
+    "bucket_size": 512,
+    "seed": 0,
+}
 
 
 class DeepReduceCodec(PayloadCodec):
@@ -64,8 +94,9 @@ class DeepReduceCodec(PayloadCodec):
         indices = torch.sort(indices.to(torch.int64)).values
         index_section, positions = self.index.encode(indices, block.numel(), key)
         value_section = self.value.encode(block[positions], key)
-        header = wire.Header(self.index.code, self.value.code, block.dtype, positions.numel(),
-                             block.numel())
+        header = wire.Header(
+            self.index.code, self.value.code, block.dtype, positions.numel(), block.numel()
+        )
         message = wire.write(header, index_section, value_section)
         self.stats["entries"] += indices.numel()
         self.stats["raw_bytes"] += indices.numel() * (4 + block.element_size())
@@ -79,11 +110,15 @@ class DeepReduceCodec(PayloadCodec):
         truncated, or coded with other codecs."""
         header, index_section, value_section = wire.read(data)
         if (header.index_codec, header.value_codec) != (self.index.code, self.value.code):
-            raise ValueError(f"message coded with codecs ({header.index_codec}, {header.value_codec}), "
-                             f"this is {self.name} ({self.index.code}, {self.value.code})")
+            raise ValueError(
+                f"message coded with codecs ({header.index_codec}, {header.value_codec}), "
+                f"this is {self.name} ({self.index.code}, {self.value.code})"
+            )
         if header.block_size != block_size or header.dtype != dtype:
-            raise ValueError(f"message is for a block of {header.block_size} {header.dtype}, "
-                             f"expected {block_size} {dtype}")
+            raise ValueError(
+                f"message is for a block of {header.block_size} {header.dtype}, "
+                f"expected {block_size} {dtype}"
+            )
         positions = self.index.decode(index_section, header.entries, block_size, key)
         values = self.value.decode(value_section, header.entries, dtype, key)
         return positions.to(device), values.to(device)
@@ -93,13 +128,19 @@ def resolve(params: dict[str, Any]) -> dict[str, Any]:
     """DeepReduce's keys with defaults, validated (ValueError naming the valid choices)."""
     p = {**DEFAULTS, **{k: v for k, v in params.items() if k in DEFAULTS}}
     if p["deepreduce"] not in MODES:
-        raise ValueError(f"unknown deepreduce mode {p['deepreduce']!r}; valid choices: "
-                         f"None, 'value', 'index', 'both'")
+        raise ValueError(
+            f"unknown deepreduce mode {p['deepreduce']!r}; valid choices: "
+            f"None, 'value', 'index', 'both'"
+        )
     for key, table in (("index", INDEX_CODECS), ("value", VALUE_CODECS)):
         if p[key] not in table:
-            raise ValueError(f"unknown {key} codec {p[key]!r}; valid choices: {', '.join(sorted(table))}")
+            raise ValueError(
+                f"unknown {key} codec {p[key]!r}; valid choices: {', '.join(sorted(table))}"
+            )
     if p["policy"] not in POLICIES:
-        raise ValueError(f"unknown bloom policy {p['policy']!r}; valid choices: {', '.join(POLICIES)}")
+        raise ValueError(
+            f"unknown bloom policy {p['policy']!r}; valid choices: {', '.join(POLICIES)}"
+        )
     for make in (*INDEX_CODECS.values(), *VALUE_CODECS.values()):
         make(p)  # the constructors validate fpr, poly_degree, quantum_num and bucket_size
     return p

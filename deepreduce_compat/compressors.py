@@ -9,9 +9,11 @@ uint8 tensor instead, and decompress rebuilds the dense tensor from it. Because 
 re-read from the dense tensor at the positions the receiver decodes, and decompress returns
 what the receiver gets, the residual memory keeps exactly what coding dropped.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -28,8 +30,10 @@ class _Wrapper(Compressor):
     def __init__(self, sparsifier: Compressor, params: dict[str, Any] | None = None):
         super().__init__(average=sparsifier.average, tensors_size_are_same=False)
         if type(sparsifier).__name__ not in SPARSIFIERS:
-            raise ValueError(f"DeepReduce wraps a sparsifier sending [values, indices] "
-                             f"(compressor topk, threshold or dgc), got {type(sparsifier).__name__}")
+            raise ValueError(
+                f"DeepReduce wraps a sparsifier sending [values, indices] "
+                f"(compressor topk, threshold or dgc), got {type(sparsifier).__name__}"
+            )
         self.sparsifier = sparsifier
         self.codec: DeepReduceCodec = codec_from_params({**(params or {}), "deepreduce": self.mode})
 
@@ -60,16 +64,19 @@ class _Wrapper(Compressor):
 
 class ValueCompressor(_Wrapper):
     """Codes the values with params['value'] (default polyfit); indices travel raw."""
+
     mode = "value"
 
 
 class IndexCompressor(_Wrapper):
     """Codes the indices with params['index'] (default bloom); values travel raw."""
+
     mode = "index"
 
 
 class DeepReduce(_Wrapper):
     """Codes both: params['index'] (default bloom) and params['value'] (default polyfit)."""
+
     mode = "both"
 
 

@@ -10,6 +10,7 @@ as if a code started there (one table lookup on the longest code's width of bits
 next(p) = p + length; the start of symbol i is next^i(0), found for all i at once by pointer
 doubling in ceil(log2(count)) rounds of gathers.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -72,8 +73,9 @@ def encode(symbols: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, int
     """(packed stream, its length in bits) of `symbols` under the canonical code of `lengths`."""
     codes = canonical_codes(lengths)
     # pack_varwidth writes least significant bit first; reversing puts each code's MSB first.
-    reversed_codes = torch.tensor([_reverse(c, l) for c, l in zip(codes, lengths)],
-                                  dtype=torch.int64, device=symbols.device)
+    reversed_codes = torch.tensor(
+        [_reverse(c, l) for c, l in zip(codes, lengths)], dtype=torch.int64, device=symbols.device
+    )
     widths = torch.tensor(lengths, dtype=torch.int64, device=symbols.device)[symbols]
     return bitpack.pack_varwidth(reversed_codes[symbols], widths), int(widths.sum())
 
@@ -85,8 +87,8 @@ def _decode_table(lengths: list[int], window: int, device) -> tuple[torch.Tensor
     for s, (code, l) in enumerate(zip(canonical_codes(lengths), lengths)):  # over the alphabet
         if l:
             first = code << (window - l)
-            symbol[first:first + (1 << (window - l))] = s
-            length[first:first + (1 << (window - l))] = l
+            symbol[first : first + (1 << (window - l))] = s
+            length[first : first + (1 << (window - l))] = l
     return symbol.to(device), length.to(device)
 
 
@@ -96,19 +98,19 @@ def decode(data: torch.Tensor, nbits: int, count: int, lengths: list[int]) -> to
     device = data.device
     if len(data) * 8 < nbits or len(data) != (nbits + 7) // 8:
         raise ValueError(f"huffman stream of {len(data)} bytes for {nbits} bits")
-    if any(not 0 <= l <= MAX_LENGTH for l in lengths) or \
-            sum(2.0 ** -l for l in lengths if l) > 1.0:
+    if any(not 0 <= l <= MAX_LENGTH for l in lengths) or sum(2.0**-l for l in lengths if l) > 1.0:
         raise ValueError(f"huffman code lengths {lengths} do not describe a prefix code")
     if count == 0:
         if nbits:
             raise ValueError("huffman stream has bits but no symbols")
         return torch.zeros(0, dtype=torch.int64, device=device)
     longest = max(lengths)
-    bits = torch.cat([bitpack.unpack_bits(data)[:nbits],
-                      torch.zeros(longest, dtype=torch.int64, device=device)])
+    bits = torch.cat(
+        [bitpack.unpack_bits(data)[:nbits], torch.zeros(longest, dtype=torch.int64, device=device)]
+    )
     window = torch.zeros(nbits, dtype=torch.int64, device=device)
     for t in range(longest):  # over the bits of a window
-        window |= bits[t:t + nbits] << (longest - 1 - t)
+        window |= bits[t : t + nbits] << (longest - 1 - t)
     table_symbol, table_length = _decode_table(lengths, longest, device)
     length = table_length[window]
     end, invalid = nbits, nbits + 1

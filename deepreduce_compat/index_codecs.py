@@ -5,6 +5,7 @@ the lossless codecs return the input; a Bloom filter may return other positions 
 positives, or a subset chosen by a policy), and the caller then sends the values found at
 those positions, so nothing is lost that the residual does not keep.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,9 +13,8 @@ import math
 import torch
 
 from spardl_grace.transport.base import as_bytes, from_bytes
-from spardl_grace.utils.seeding import generator, stable_seed
-
 from spardl_grace.utils import bitpack
+from spardl_grace.utils.seeding import generator, stable_seed
 
 from . import huffman
 
@@ -24,10 +24,13 @@ POLICIES = ("p0", "leftmost", "random", "conflict_sets")
 
 class IndexCodec:
     """Codes sorted unique int64 positions in range(size)."""
+
     name = "index"
     code = 0
 
-    def encode(self, indices: torch.Tensor, size: int, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(
+        self, indices: torch.Tensor, size: int, key: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(uint8 section, the sorted positions the receiver will decode)."""
         raise NotImplementedError
 
@@ -39,14 +42,18 @@ class IndexCodec:
 def _check_positions(positions: torch.Tensor, count: int, size: int, what: str) -> torch.Tensor:
     if positions.numel() != count:
         raise ValueError(f"{what} decoded {positions.numel()} positions, the header says {count}")
-    if count and (int(positions[0]) < 0 or int(positions[-1]) >= size
-                  or bool((torch.diff(positions) <= 0).any())):
+    if count and (
+        int(positions[0]) < 0
+        or int(positions[-1]) >= size
+        or bool((torch.diff(positions) <= 0).any())
+    ):
         raise ValueError(f"{what} decoded positions outside 0..{size - 1} or not increasing")
     return positions
 
 
 class RawIndex(IndexCodec):
     """'none': int32 positions, 4 bytes each."""
+
     name, code = "none", 0
 
     def encode(self, indices, size, key):
@@ -61,12 +68,15 @@ class RawIndex(IndexCodec):
 
 class DeltaIndex(IndexCodec):
     """'delta': the gaps between consecutive positions, bit-packed at the width of the largest."""
+
     name, code = "delta", 1
 
     def encode(self, indices, size, key):
         gaps = _gaps(indices)
         width = bitpack.width_for(int(gaps.max())) if gaps.numel() else 0
-        return torch.cat([bitpack.u32s([width], indices.device), bitpack.pack(gaps, width)]), indices
+        return torch.cat(
+            [bitpack.u32s([width], indices.device), bitpack.pack(gaps, width)]
+        ), indices
 
     def decode(self, section, count, size, key):
         (width,) = bitpack.read_u32s(section, 1)
@@ -78,6 +88,7 @@ class DeltaIndex(IndexCodec):
 
 class RunLengthIndex(IndexCodec):
     """'rle': the block as a bitmap, coded as alternating run lengths (zeros first), bit-packed."""
+
     name, code = "rle", 2
 
     def encode(self, indices, size, key):
@@ -86,14 +97,16 @@ class RunLengthIndex(IndexCodec):
         starts = torch.ones(indices.numel(), dtype=torch.bool, device=indices.device)
         starts[1:] = torch.diff(indices) != 1
         run_starts = indices[starts]
-        ones = torch.diff(torch.nonzero(starts).reshape(-1),
-                          append=indices.new_tensor([indices.numel()]))
+        ones = torch.diff(
+            torch.nonzero(starts).reshape(-1), append=indices.new_tensor([indices.numel()])
+        )
         previous_end = torch.cat([indices.new_zeros(1), run_starts[:-1] + ones[:-1]])
         zeros = run_starts - previous_end
         runs = torch.stack([zeros, ones], dim=1).reshape(-1)
         width = bitpack.width_for(int(runs.max()))
-        return torch.cat([bitpack.u32s([width, runs.numel() // 2], indices.device),
-                          bitpack.pack(runs, width)]), indices
+        return torch.cat(
+            [bitpack.u32s([width, runs.numel() // 2], indices.device), bitpack.pack(runs, width)]
+        ), indices
 
     def decode(self, section, count, size, key):
         width, pairs = bitpack.read_u32s(section, 2)
@@ -103,9 +116,12 @@ class RunLengthIndex(IndexCodec):
         zeros, ones = runs[:, 0], runs[:, 1]
         starts = torch.cumsum(zeros + torch.cat([ones.new_zeros(1), ones[:-1]]), 0)
         if int(ones.sum()) != count:
-            raise ValueError(f"rle index runs hold {int(ones.sum())} positions, the header says {count}")
+            raise ValueError(
+                f"rle index runs hold {int(ones.sum())} positions, the header says {count}"
+            )
         offsets = torch.arange(count, device=section.device) - torch.repeat_interleave(
-            torch.cumsum(ones, 0) - ones, ones)
+            torch.cumsum(ones, 0) - ones, ones
+        )
         positions = torch.repeat_interleave(starts, ones) + offsets
         return _check_positions(positions, count, size, "rle index")
 
@@ -125,6 +141,7 @@ class HuffmanIndex(IndexCodec):
     (the leading one is implied; DEFLATE codes its distances the same way). Gaps of similar
     size share a short code, so a sparse set whose gaps vary little costs a few bits per
     position plus 17 bytes of code lengths (4 bits each)."""
+
     name, code = "huffman", 4
     SYMBOLS = 33  # bit lengths 0..32
 
@@ -137,8 +154,12 @@ class HuffmanIndex(IndexCodec):
         stream, nbits = huffman.encode(width, lengths)
         extra = (width - 1).clamp_min(0)
         mantissas = bitpack.pack_varwidth(gaps - (1 << extra) * (width > 0), extra)
-        header = torch.cat([bitpack.u32s([nbits], indices.device),
-                            bitpack.pack(torch.tensor(lengths, device=indices.device), 4)])
+        header = torch.cat(
+            [
+                bitpack.u32s([nbits], indices.device),
+                bitpack.pack(torch.tensor(lengths, device=indices.device), 4),
+            ]
+        )
         return torch.cat([header, stream, mantissas]), indices
 
     def decode(self, section, count, size, key):
@@ -168,11 +189,14 @@ class BloomIndex(IndexCodec):
                     sharing one of their bits) is smallest: a positive alone on a bit is surely
                     true. A vectorised form of DeepReduce's greedy conflict-set policy.
     """
+
     name, code = "bloom", 3
 
     def __init__(self, policy: str = "p0", fpr: float | None = None, seed: int = 0):
         if policy not in POLICIES:
-            raise ValueError(f"unknown bloom policy {policy!r}; valid choices: {', '.join(POLICIES)}")
+            raise ValueError(
+                f"unknown bloom policy {policy!r}; valid choices: {', '.join(POLICIES)}"
+            )
         if fpr is not None and not 0 < fpr < 1:
             raise ValueError(f"fpr must be in (0, 1), got {fpr!r}")
         self.policy, self.fpr, self.seed = policy, fpr, seed
@@ -197,8 +221,9 @@ class BloomIndex(IndexCodec):
             hit &= bitmap[row]
         return everything[hit]
 
-    def _choose(self, positives: torch.Tensor, count: int, bits: int, hashes: int,
-                key: str) -> torch.Tensor:
+    def _choose(
+        self, positives: torch.Tensor, count: int, bits: int, hashes: int, key: str
+    ) -> torch.Tensor:
         if self.policy == "p0" or positives.numel() <= count:
             return positives
         if self.policy == "leftmost":
@@ -224,7 +249,9 @@ class BloomIndex(IndexCodec):
             bitmap[self._hashes(indices, bits, hashes).reshape(-1)] = True
         positives = self._positives(bitmap, size, hashes)
         chosen = self._choose(positives, indices.numel(), bits, hashes, key)
-        header = bitpack.u32s([POLICIES.index(self.policy), hashes, bits, indices.numel()], indices.device)
+        header = bitpack.u32s(
+            [POLICIES.index(self.policy), hashes, bits, indices.numel()], indices.device
+        )
         return torch.cat([header, bitpack.pack(bitmap.to(torch.int64), 1)]), chosen
 
     def decode(self, section, count, size, key):

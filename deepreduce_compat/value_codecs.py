@@ -4,6 +4,7 @@ Lossless: 'none' (raw), 'deflate' (zlib). Lossy: 'fp16', 'qsgd', 'polyfit', 'dex
 sender never guesses what the receiver gets: DeepReduceCodec decodes its own message, so the
 error goes to the residual exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,9 +14,8 @@ import numpy as np
 import torch
 
 from spardl_grace.transport.base import as_bytes, from_bytes
-from spardl_grace.utils.seeding import generator
-
 from spardl_grace.utils import bitpack
+from spardl_grace.utils.seeding import generator
 
 
 def _tensor(data: bytes, device) -> torch.Tensor:
@@ -30,6 +30,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 class ValueCodec:
     """Codes the values of a sparse message (in position order) into a uint8 section and back.
     `name` is the config key, `code` the id in the wire header."""
+
     name = "value"
     code = 0
 
@@ -37,13 +38,16 @@ class ValueCodec:
         """The uint8 section for `values`; `key` seeds any randomness, the same on the receiver."""
         raise NotImplementedError
 
-    def decode(self, section: torch.Tensor, count: int, dtype: torch.dtype, key: str) -> torch.Tensor:
+    def decode(
+        self, section: torch.Tensor, count: int, dtype: torch.dtype, key: str
+    ) -> torch.Tensor:
         """`count` values of `dtype`; ValueError on a malformed section."""
         raise NotImplementedError
 
 
 class RawValues(ValueCodec):
     """'none': the values in their dtype."""
+
     name, code = "none", 0
 
     def encode(self, values, key):
@@ -57,6 +61,7 @@ class RawValues(ValueCodec):
 
 class FP16Values(ValueCodec):
     """'fp16': values rounded to half precision (2 bytes each)."""
+
     name, code = "fp16", 1
 
     def encode(self, values, key):
@@ -70,6 +75,7 @@ class FP16Values(ValueCodec):
 
 class DeflateValues(ValueCodec):
     """'deflate': zlib (level 6) on the raw bytes; lossless."""
+
     name, code = "deflate", 2
 
     def encode(self, values, key):
@@ -82,7 +88,9 @@ class DeflateValues(ValueCodec):
         except zlib.error as exc:
             raise ValueError(f"deflate value section does not inflate: {exc}") from exc
         if len(raw) != count * _itemsize(dtype):
-            raise ValueError(f"deflate value section inflates to {len(raw)} bytes for {count} {dtype}")
+            raise ValueError(
+                f"deflate value section inflates to {len(raw)} bytes for {count} {dtype}"
+            )
         return from_bytes(_tensor(raw, section.device), dtype)
 
 
@@ -90,6 +98,7 @@ class QSGDValues(ValueCodec):
     """'qsgd': per bucket of `bucket_size` values, the fp32 norm and, per value, a sign bit and
     a level in 0..quantum_num drawn by stochastic rounding (unbiased); ceil(log2(s+1)) + 1 bits
     per value. The rounding draws come from a generator keyed by the message key."""
+
     name, code = "qsgd", 3
 
     def __init__(self, quantum_num: int = 127, bucket_size: int = 512, seed: int = 0):
@@ -112,15 +121,16 @@ class QSGDValues(ValueCodec):
         noise = torch.rand(scaled.shape, generator=g).to(values.device)
         level = torch.clamp(torch.floor(scaled + noise), max=self.levels).to(torch.int64)
         code = (level << 1) | (grid < 0).to(torch.int64)
-        return torch.cat([as_bytes(norms.reshape(-1)),
-                          bitpack.pack(code.reshape(-1)[:count], self.width)])
+        return torch.cat(
+            [as_bytes(norms.reshape(-1)), bitpack.pack(code.reshape(-1)[:count], self.width)]
+        )
 
     def decode(self, section, count, dtype, key):
         buckets = math.ceil(count / self.bucket)
         if section.numel() != 4 * buckets + bitpack.packed_size(count, self.width):
             raise ValueError(f"qsgd value section of {section.numel()} bytes for {count} values")
-        norms = from_bytes(section[:4 * buckets].clone(), torch.float32)
-        code = bitpack.unpack(section[4 * buckets:], count, self.width)
+        norms = from_bytes(section[: 4 * buckets].clone(), torch.float32)
+        code = bitpack.unpack(section[4 * buckets :], count, self.width)
         level = (code >> 1).to(torch.float32)
         if count and int(level.max()) > self.levels:
             raise ValueError("qsgd value section has levels above quantum_num")
@@ -129,8 +139,18 @@ class QSGDValues(ValueCodec):
         return (sign * level / self.levels * norm).to(dtype)
 
 
-SEGMENT_RATIOS = (1 / 100000, 1 / 30000, 1 / 10000, 1 / 3000, 1 / 1000, 1 / 300, 1 / 100,
-                  1 / 30, 1 / 10, 1 / 5)
+SEGMENT_RATIOS = (
+    1 / 100000,
+    1 / 30000,
+    1 / 10000,
+    1 / 3000,
+    1 / 1000,
+    1 / 300,
+    1 / 100,
+    1 / 30,
+    1 / 10,
+    1 / 5,
+)
 MIN_EDGE = 30  # edge segments shorter than this are merged into the middle one
 
 
@@ -149,6 +169,7 @@ class CurveFitValues(ValueCodec):
     interval, and send the segment lengths, the coefficients, and the permutation back to
     position order (ceil(log2 r) bits per value). Segments too short to fit are sent raw.
     Subclasses say how a segment is fitted and evaluated."""
+
     params = 1
 
     def fit(self, segment: torch.Tensor) -> torch.Tensor:
@@ -165,18 +186,29 @@ class CurveFitValues(ValueCodec):
         ordered = values[order].to(torch.float64)
         positives = int((ordered > 0).sum())
         lengths = segment_lengths(positives) + segment_lengths(count - positives)
-        parts = [segment.to(torch.float32) if segment.numel() <= self.params else self.fit(segment)
-                 for segment in torch.split(ordered, lengths)]
+        parts = [
+            segment.to(torch.float32) if segment.numel() <= self.params else self.fit(segment)
+            for segment in torch.split(ordered, lengths)
+        ]
         width = bitpack.width_for(max(count - 1, 0))
-        floats = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=values.device)
-        return torch.cat([bitpack.u32s([self.params, len(lengths), *lengths], values.device),
-                          as_bytes(floats), bitpack.pack(order, width)])
+        floats = (
+            torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=values.device)
+        )
+        return torch.cat(
+            [
+                bitpack.u32s([self.params, len(lengths), *lengths], values.device),
+                as_bytes(floats),
+                bitpack.pack(order, width),
+            ]
+        )
 
     def decode(self, section, count, dtype, key):
         params, segments = bitpack.read_u32s(section, 2)
         if params != self.params or segments < 0 or segments > count + 1:
-            raise ValueError(f"{self.name} section ({params} coefficients, {segments} segments) "
-                             f"does not match this codec ({self.params}) or {count} values")
+            raise ValueError(
+                f"{self.name} section ({params} coefficients, {segments} segments) "
+                f"does not match this codec ({self.params}) or {count} values"
+            )
         lengths = bitpack.read_u32s(section, 2 + segments)[2:]
         if any(n <= 0 for n in lengths) or sum(lengths) != count:
             raise ValueError(f"{self.name} segment lengths {lengths} do not add up to {count}")
@@ -184,13 +216,17 @@ class CurveFitValues(ValueCodec):
         start = 4 * (2 + segments)
         width = bitpack.width_for(max(count - 1, 0))
         if section.numel() != start + 4 * sum(sizes) + bitpack.packed_size(count, width):
-            raise ValueError(f"{self.name} section of {section.numel()} bytes does not match its header")
-        floats = from_bytes(section[start:start + 4 * sum(sizes)].clone(), torch.float32)
-        order = bitpack.unpack(section[start + 4 * sum(sizes):], count, width)
+            raise ValueError(
+                f"{self.name} section of {section.numel()} bytes does not match its header"
+            )
+        floats = from_bytes(section[start : start + 4 * sum(sizes)].clone(), torch.float32)
+        order = bitpack.unpack(section[start + 4 * sum(sizes) :], count, width)
         if count and (int(order.max()) >= count or torch.unique(order).numel() != count):
             raise ValueError(f"{self.name} permutation is not a permutation")
-        ordered = [chunk.to(torch.float64) if n <= params else self.evaluate(chunk, n)
-                   for n, chunk in zip(lengths, torch.split(floats, sizes))]
+        ordered = [
+            chunk.to(torch.float64) if n <= params else self.evaluate(chunk, n)
+            for n, chunk in zip(lengths, torch.split(floats, sizes))
+        ]
         out = torch.zeros(count, dtype=torch.float64, device=section.device)
         if count:
             out[order] = torch.cat(ordered)
@@ -206,6 +242,7 @@ def _unit_interval(length: int, low: float, device) -> torch.Tensor:
 class PolyFitValues(CurveFitValues):
     """'polyfit': a polynomial of degree `poly_degree` per segment, least squares on x in
     [-1, 1] (float64 solve, float32 coefficients)."""
+
     name, code = "polyfit", 4
 
     def __init__(self, poly_degree: int = 5):
@@ -218,7 +255,9 @@ class PolyFitValues(CurveFitValues):
 
     def fit(self, segment):
         basis = self._basis(segment.numel(), segment.device)
-        return torch.linalg.lstsq(basis, segment.reshape(-1, 1)).solution.reshape(-1).to(torch.float32)
+        return (
+            torch.linalg.lstsq(basis, segment.reshape(-1, 1)).solution.reshape(-1).to(torch.float32)
+        )
 
     def evaluate(self, coef, length):
         return self._basis(length, coef.device) @ coef.to(torch.float64)
@@ -235,6 +274,7 @@ class DoubleExpValues(CurveFitValues):
     float32, has the smallest error on up to DEXP_SAMPLES evenly spaced values wins, and its
     amplitudes are then fitted on the whole segment. A grid instead of Gauss-Newton: no
     starting guess to get wrong, no iteration to diverge, the same on every device."""
+
     name, code, params = "dexp", 5, 4
 
     @staticmethod
@@ -247,8 +287,13 @@ class DoubleExpValues(CurveFitValues):
         grid = torch.tensor(DEXP_RATES, dtype=torch.float64, device=device)
         rates = torch.combinations(grid, 2)
         x = _unit_interval(segment.numel(), 0.0, device)
-        sample = torch.linspace(0, segment.numel() - 1, min(segment.numel(), DEXP_SAMPLES),
-                                device=device).round().long()
+        sample = (
+            torch.linspace(
+                0, segment.numel() - 1, min(segment.numel(), DEXP_SAMPLES), device=device
+            )
+            .round()
+            .long()
+        )
         basis = self._basis(x[sample], rates)
         target = segment[sample].reshape(1, -1, 1).expand(rates.shape[0], -1, -1)
         amplitudes = torch.linalg.lstsq(basis, target).solution.to(torch.float32).to(torch.float64)

@@ -11,6 +11,7 @@ A change on some ranks only (one rank calls set_density, the others do not) make
 ranks agree again; the others are already in the algorithm's own exchange, so that case ends
 in the transport's timeout error, not in a wrong result.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,14 +45,17 @@ def settings_of(obj: Any, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def _is_codec(value: Any) -> bool:
-    return isinstance(value, PayloadCodec) or type(value).__module__.startswith("deepreduce_compat.")
+    return isinstance(value, PayloadCodec) or type(value).__module__.startswith(
+        "deepreduce_compat."
+    )
 
 
 def digest(fields: dict[str, Any]) -> int:
     """A signed 64-bit digest of `fields`, the same in every process."""
     text = json.dumps(fields, sort_keys=True, default=str)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little",
-                          signed=True)
+    return int.from_bytes(
+        hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True
+    )
 
 
 def _flat(fields: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -78,11 +82,17 @@ def agree(transport: Transport, what: str, fields: dict[str, Any]) -> None:
     if all(int(d[0]) == int(mine[0]) for d in digests):
         return
     blob = torch.tensor(list(json.dumps(fields, default=str).encode()), dtype=torch.uint8)
-    every = [_flat(json.loads(bytes(b.tolist()).decode()))
-             for b in transport.allgather(blob, f"agree.{what}.fields")]
+    every = [
+        _flat(json.loads(bytes(b.tolist()).decode()))
+        for b in transport.allgather(blob, f"agree.{what}.fields")
+    ]
     keys = list(dict.fromkeys(k for e in every for k in e))
     differ = [k for k in keys if len({json.dumps(e.get(k)) for e in every}) > 1]
-    detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} {json.dumps(e.get(k))}"
-                                            for r, e in enumerate(every)) for k in differ)
-    raise ValueError(f"the ranks disagree on {what}, so they cannot synchronise it "
-                     f"(every rank must pass the same): {detail}")
+    detail = "; ".join(
+        f"{k}: " + ", ".join(f"rank {r} {json.dumps(e.get(k))}" for r, e in enumerate(every))
+        for k in differ
+    )
+    raise ValueError(
+        f"the ranks disagree on {what}, so they cannot synchronise it "
+        f"(every rank must pass the same): {detail}"
+    )

@@ -19,10 +19,12 @@ Two families of communicators share this interface:
 state_dict() of every part holds only tensors and plain Python values, so it loads with
 torch.load(weights_only=True).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -111,16 +113,25 @@ class Memory(ABC):
             return compensated
         return out.copy_(compensated)
 
-    def update(self, tensor: torch.Tensor, name: str, compressor: Compressor,
-               tensor_compressed: Sequence[torch.Tensor], ctx: Any) -> None:
+    def update(
+        self,
+        tensor: torch.Tensor,
+        name: str,
+        compressor: Compressor,
+        tensor_compressed: Sequence[torch.Tensor],
+        ctx: Any,
+    ) -> None:
         """Remember what compression dropped (GRACE communicators, before communication)."""
 
-    def store_residual(self, name: str, residual: torch.Tensor,
-                       result: torch.Tensor | None = None) -> None:
+    def store_residual(
+        self, name: str, residual: torch.Tensor, result: torch.Tensor | None = None
+    ) -> None:
         """Remember `residual` for `name` (sparse all-reduces, after communication); `result`
         is the average every rank applied (momentum correction masks its velocity with it)."""
-        raise ValueError(f"{type(self).__name__} cannot hold the residual of a sparse all-reduce; "
-                         "use memory 'global_residual', 'residual' or 'none'")
+        raise ValueError(
+            f"{type(self).__name__} cannot hold the residual of a sparse all-reduce; "
+            "use memory 'global_residual', 'residual' or 'none'"
+        )
 
     def stores(self) -> list[dict[str, torch.Tensor]]:
         """The memory's per-name stores of tensors shaped like the gradient (residuals,
@@ -149,8 +160,10 @@ def _bind(part: Any, transport: Transport) -> None:
 def _check_protocol(part: Any, what: str, methods: tuple[str, ...]) -> None:
     missing = [m for m in methods if not callable(getattr(part, m, None))]
     if missing:
-        raise TypeError(f"the {what} {type(part).__name__} lacks {', '.join(missing)}: a GRACE "
-                        f"{what} has {', '.join(methods)}")
+        raise TypeError(
+            f"the {what} {type(part).__name__} lacks {', '.join(missing)}: a GRACE "
+            f"{what} has {', '.join(methods)}"
+        )
 
 
 def average_of(compressor: Any) -> bool:
@@ -177,16 +190,20 @@ def _resolve_transport(transport: Transport | int | None) -> Transport:
         return transport
     if transport is None:
         from .transport import default_transport
+
         return default_transport()
     if isinstance(transport, int) and not isinstance(transport, bool):
         from .transport import default_transport
+
         active = default_transport()
         if active.size != transport:
-            raise ValueError(f"world_size {transport} does not match the active backend's "
-                             f"{active.size} ranks")
+            raise ValueError(
+                f"world_size {transport} does not match the active backend's {active.size} ranks"
+            )
         return active
-    raise TypeError(f"expected a Transport or GRACE's world_size (an int), got "
-                    f"{type(transport).__name__}")
+    raise TypeError(
+        f"expected a Transport or GRACE's world_size (an int), got {type(transport).__name__}"
+    )
 
 
 class Communicator(ABC):
@@ -210,8 +227,9 @@ class Communicator(ABC):
     #: of the fingerprint the ranks agree on
     RANK_LOCAL: tuple[str, ...] = ()
 
-    def __init__(self, compressor: Compressor, memory: Memory,
-                 transport: Transport | int | None = None):
+    def __init__(
+        self, compressor: Compressor, memory: Memory, transport: Transport | int | None = None
+    ):
         _check_protocol(compressor, "compressor", ("compress", "decompress"))
         _check_protocol(memory, "memory", ("compensate",))
         transport = _resolve_transport(transport)
@@ -227,10 +245,15 @@ class Communicator(ABC):
     def fingerprint(self, tensor: torch.Tensor, name: str) -> dict[str, Any]:
         """What every rank must share to synchronise `tensor` under `name`: its numel, dtype
         and device type, and the settings of this communicator, its compressor and memory."""
-        return {"name": name, "numel": tensor.numel(), "dtype": str(tensor.dtype),
-                "device": tensor.device.type,
-                "communicator": settings_of(self, self.RANK_LOCAL + ("world_size", "reuse_results")),
-                "compressor": settings_of(self.compressor), "memory": settings_of(self.memory)}
+        return {
+            "name": name,
+            "numel": tensor.numel(),
+            "dtype": str(tensor.dtype),
+            "device": tensor.device.type,
+            "communicator": settings_of(self, self.RANK_LOCAL + ("world_size", "reuse_results")),
+            "compressor": settings_of(self.compressor),
+            "memory": settings_of(self.memory),
+        }
 
     def agree(self, tensor: torch.Tensor, name: str) -> None:
         """On the first step of `name`, and whenever its fingerprint changes here, check with
@@ -274,27 +297,38 @@ class Communicator(ABC):
         Raises ValueError when the density is not in (0, 1] or nothing here has a density."""
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density}")
-        targets = [(obj, attr) for obj, attr in ((self, "density"), (self.compressor, "compress_ratio"))
-                   if hasattr(obj, attr)]
+        targets = [
+            (obj, attr)
+            for obj, attr in ((self, "density"), (self.compressor, "compress_ratio"))
+            if hasattr(obj, attr)
+        ]
         if not targets:
-            raise ValueError(f"{type(self).__name__} with {type(self.compressor).__name__} has "
-                             "no density to set; use a sparse all-reduce or a top-k, random-k or "
-                             "DGC compressor")
+            raise ValueError(
+                f"{type(self).__name__} with {type(self.compressor).__name__} has "
+                "no density to set; use a sparse all-reduce or a top-k, random-k or "
+                "DGC compressor"
+            )
         for obj, attr in targets:
             setattr(obj, attr, density)
 
     def state_dict(self) -> dict[str, Any]:
         """The compressor's, memory's and communicator's state; a GRACE user's own compressor
         or memory without state_dict() contributes none (it is not checkpointed)."""
-        return {"compressor": _state_of(self.compressor), "memory": _state_of(self.memory),
-                "communicator": self._own_state(), "world_size": self.world_size}
+        return {
+            "compressor": _state_of(self.compressor),
+            "memory": _state_of(self.memory),
+            "communicator": self._own_state(),
+            "world_size": self.world_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned. Raises ValueError when it was written by another
         number of workers: residuals and schedules belong to one partition of the work."""
         if state.get("world_size", self.world_size) != self.world_size:
-            raise ValueError(f"checkpoint was written by {state['world_size']} workers, this run "
-                             f"has {self.world_size}: residuals and schedules do not carry over")
+            raise ValueError(
+                f"checkpoint was written by {state['world_size']} workers, this run "
+                f"has {self.world_size}: residuals and schedules do not carry over"
+            )
         for part, key in ((self.compressor, "compressor"), (self.memory, "memory")):
             load = getattr(part, "load_state_dict", None)
             if callable(load):
@@ -321,20 +355,23 @@ class SparseAllreduce(Communicator):
     invariant they promise (conservation) is
         sum_w compensated_w == P * result + sum_w residual_w      (up to float rounding)."""
 
-    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport | int,
-                 density: float):
+    def __init__(
+        self, compressor: Compressor, memory: Memory, transport: Transport | int, density: float
+    ):
         name = type(self).__name__
         if not isinstance(compressor, Compressor):
             raise ValueError(
                 f"{name} selects its entries itself, while it communicates (exact top-k per "
                 f"block), so it would ignore the compressor {type(compressor).__name__}: give it "
                 "this library's compressor 'topk', or run your compressor over 'allgather', "
-                "'allreduce' or 'broadcast'")
+                "'allreduce' or 'broadcast'"
+            )
         if not callable(getattr(memory, "store_residual", None)):
             raise ValueError(
                 f"{name} decides the residual during communication and hands it to the memory's "
                 f"store_residual(name, residual, result), which {type(memory).__name__} lacks: "
-                "use memory 'global_residual', 'residual' or 'none', or give yours that method")
+                "use memory 'global_residual', 'residual' or 'none', or give yours that method"
+            )
         super().__init__(compressor, memory, transport)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density (compress_ratio) must be in (0, 1], got {density}")

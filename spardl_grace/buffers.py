@@ -13,6 +13,7 @@ Two kinds of reuse:
   saved state dict still holds is never overwritten; when every slot is held, a new tensor is
   allocated, exactly as without the pool.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,11 +27,17 @@ class Scratch:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, purpose: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(
+        self, purpose: str, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """A 1-D tensor of `numel` entries (contents undefined)."""
         buffer = self._buffers.get(purpose)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype \
-                or buffer.device != device:
+        if (
+            buffer is None
+            or buffer.numel() < numel
+            or buffer.dtype != dtype
+            or buffer.device != device
+        ):
             buffer = self._buffers[purpose] = torch.empty(numel, dtype=dtype, device=device)
         return buffer[:numel]
 
@@ -54,13 +61,18 @@ class BufferPool:
     def __init__(self) -> None:
         self._slots: dict[str, list[torch.Tensor]] = {}
 
-    def take(self, purpose: str, numel: int, dtype: torch.dtype, device: torch.device,
-             slots: int = 1) -> torch.Tensor:
+    def take(
+        self, purpose: str, numel: int, dtype: torch.dtype, device: torch.device, slots: int = 1
+    ) -> torch.Tensor:
         """A 1-D tensor of `numel` entries (contents undefined) that no other tensor shares."""
         held = self._slots.setdefault(purpose, [])
         for i, buffer in enumerate(held):
-            if buffer.numel() == numel and buffer.dtype == dtype and buffer.device == device \
-                    and not _held_elsewhere(buffer):
+            if (
+                buffer.numel() == numel
+                and buffer.dtype == dtype
+                and buffer.device == device
+                and not _held_elsewhere(buffer)
+            ):
                 held.append(held.pop(i))  # most recently taken last
                 return buffer.view(numel)
         buffer = torch.empty(numel, dtype=dtype, device=device)

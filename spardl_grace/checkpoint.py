@@ -11,6 +11,7 @@ back to when the newest is missing or unreadable. Because a fallback can make ra
 different steps, resuming ranks compare (step, run id) in one collective and all refuse together
 when they differ.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,8 +77,9 @@ def _run_digest(run_id: str) -> int:
     return int.from_bytes(hashlib.sha1(run_id.encode()).digest()[:7], "big")
 
 
-def check_same_step(transport: Transport, step: int, run_id: str,
-                    name: str = "checkpoint.agree") -> None:
+def check_same_step(
+    transport: Transport, step: int, run_id: str, name: str = "checkpoint.agree"
+) -> None:
     """Every rank passes the step and run id of the checkpoint it loaded; one all-gather of two
     int64. Returns when all agree; otherwise raises ValueError on every rank, naming each rank's
     step (and which ranks hold another run's checkpoint)."""
@@ -88,9 +90,13 @@ def check_same_step(transport: Transport, step: int, run_id: str,
     runs = [v[1] for v in values]
     if len(set(runs)) > 1:
         others = [r for r, d in enumerate(runs) if d != runs[0]]
-        raise ValueError(f"the ranks loaded checkpoints of different runs: ranks {others} hold a "
-                         f"checkpoint of another run than rank 0 (steps by rank: {steps})")
+        raise ValueError(
+            f"the ranks loaded checkpoints of different runs: ranks {others} hold a "
+            f"checkpoint of another run than rank 0 (steps by rank: {steps})"
+        )
     if len(set(steps)) > 1:
-        raise ValueError(f"the ranks loaded checkpoints of different steps: {steps} (rank by "
-                         "rank); a crash during a save leaves some ranks with the previous "
-                         "checkpoint: resume them all from one step")
+        raise ValueError(
+            f"the ranks loaded checkpoints of different steps: {steps} (rank by "
+            "rank); a crash during a save leaves some ranks with the previous "
+            "checkpoint: resume them all from one step"
+        )

@@ -20,10 +20,12 @@ the same on every rank. The last bucket's hook waits until every bucket of the s
 DDP issues its own collectives (the map of unused parameters) right after it, and they must
 not race the thread's on the same process group; by then backward has nothing left to overlap.
 """
+
 # No `from __future__ import annotations`: DDP compares comm_hook's annotations with the real
 # types (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,12 +43,21 @@ class CommHookState:
     on a communication thread while backward goes on (off, or with an MPI library without
     MPI_THREAD_MULTIPLE, the hook synchronises before it returns)."""
 
-    def __init__(self, grace: Communicator, model: torch.nn.Module, dense_warmup_steps: int = 0,
-                 min_numel: int = 0, overlap: bool = True):
+    def __init__(
+        self,
+        grace: Communicator,
+        model: torch.nn.Module,
+        dense_warmup_steps: int = 0,
+        min_numel: int = 0,
+        overlap: bool = True,
+    ):
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be the DDP module (or the module it wraps), got "
-                            f"{type(model).__name__}")
-        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+            raise TypeError(
+                f"model must be the DDP module (or the module it wraps), got {type(model).__name__}"
+            )
+        inner = (
+            model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        )
         named = list(inner.named_parameters())
         self.names = {p: n for n, p in named}
         self.position = {p: i for i, (_, p) in enumerate(named)}
@@ -58,11 +69,14 @@ class CommHookState:
         """The bucket of `params` in reverse registration order, and that order as indices
         into `params`."""
         if any(p not in self.names for p in params):
-            raise ValueError("DDP's bucket holds a parameter the hook state does not know: build "
-                             "CommHookState with the model DDP wraps")
+            raise ValueError(
+                "DDP's bucket holds a parameter the hook state does not know: build "
+                "CommHookState with the model DDP wraps"
+            )
         order = sorted(range(len(params)), key=lambda j: -self.position[params[j]])
-        return Bucket(tuple(self.names[params[j]] for j in order),
-                      tuple(params[j].numel() for j in order)), order
+        return Bucket(
+            tuple(self.names[params[j]] for j in order), tuple(params[j].numel() for j in order)
+        ), order
 
     @property
     def last_stats(self) -> dict[str, float]:
@@ -86,8 +100,9 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     params = bucket.parameters()
     canonical, order = state.canonical(params)
     last = bucket.is_last()
-    work = functools.partial(_synchronize_into, state, buffer, [p.numel() for p in params],
-                             canonical, order, last)
+    work = functools.partial(
+        _synchronize_into, state, buffer, [p.numel() for p in params], canonical, order, last
+    )
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     if state._executor is None:
         future.set_result(work())
@@ -98,8 +113,9 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     return future
 
 
-def _fulfil(state: CommHookState, future: torch.futures.Future, last: bool,
-            work: Callable[[], torch.Tensor]) -> None:
+def _fulfil(
+    state: CommHookState, future: torch.futures.Future, last: bool, work: Callable[[], torch.Tensor]
+) -> None:
     """Run `work` on the communication thread and settle `future` with its outcome. After a
     bucket fails, the step's later buckets fail with the same error at once instead of each
     waiting out the transport's timeout."""
@@ -115,8 +131,14 @@ def _fulfil(state: CommHookState, future: torch.futures.Future, last: bool,
             state._step_error = None
 
 
-def _synchronize_into(state: CommHookState, buffer: torch.Tensor, numels: list[int],
-                      canonical: Bucket, order: list[int], last: bool) -> torch.Tensor:
+def _synchronize_into(
+    state: CommHookState,
+    buffer: torch.Tensor,
+    numels: list[int],
+    canonical: Bucket,
+    order: list[int],
+    last: bool,
+) -> torch.Tensor:
     """The average of DDP's bucket `buffer` (parameters of `numels` in DDP's order), laid out
     as `buffer` and in its dtype.
 

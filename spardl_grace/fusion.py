@@ -2,15 +2,19 @@
 
 SparDL selects per block of the *fused* gradient, so one step over the flat buffer (rather
 than one per layer) gives it the whole model to balance and the fewest messages."""
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
 
-def flatten_grads(params: Iterable[torch.nn.Parameter], dtype: torch.dtype | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def flatten_grads(
+    params: Iterable[torch.nn.Parameter],
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The gradients of `params` concatenated (zeros for parameters without a gradient), in
     `dtype` if given; written into `out` (a 1-D tensor of the total size) where every gradient
     already has its dtype and device, which saves allocating a gradient-sized tensor."""
@@ -32,10 +36,16 @@ def assign_grads(params: Iterable[torch.nn.Parameter], flat: torch.Tensor) -> No
         raise ValueError(f"flat buffer has {flat.numel()} entries, the parameters {total}")
     offset = 0
     for p in params:
-        part = flat[offset: offset + p.numel()].view_as(p)
+        part = flat[offset : offset + p.numel()].view_as(p)
         grad = p.grad
-        if grad is not None and grad.layout == torch.strided and grad.is_contiguous() \
-                and grad.shape == p.shape and grad.dtype == p.dtype and grad.device == p.device:
+        if (
+            grad is not None
+            and grad.layout == torch.strided
+            and grad.is_contiguous()
+            and grad.shape == p.shape
+            and grad.dtype == p.dtype
+            and grad.device == p.device
+        ):
             grad.copy_(part)
         else:
             p.grad = part.to(p.dtype).clone()

@@ -5,6 +5,7 @@ grace_dl is installed from its repository, not from the package index, so it is 
 without it nothing happens. Registration runs when spardl_grace is imported; a grace_dl
 imported later is registered by calling register_with_grace_dl() again.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -14,11 +14,13 @@ synchronised in the same order on every rank (a bucket waits for the ones before
 order the hooks fire in, so ranks whose models leave different parameters unused cannot
 deadlock. step() waits for the results, writes the averages into .grad, and steps.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -28,8 +30,9 @@ from .fusion import assign_grads, flatten_grads
 from .sync import Bucket, GradientSync, communication_thread
 
 
-def plan_buckets(named: list[tuple[str, torch.nn.Parameter]],
-                 bucket_cap_mb: float | None) -> list[list[tuple[str, torch.nn.Parameter]]]:
+def plan_buckets(
+    named: list[tuple[str, torch.nn.Parameter]], bucket_cap_mb: float | None
+) -> list[list[tuple[str, torch.nn.Parameter]]]:
     """Parameters grouped into buckets: in reverse order (the order backward produces their
     gradients, and DDP's), one group per (device, communication dtype), each group cut into
     buckets of at most bucket_cap_mb megabytes (None: one bucket per group)."""
@@ -53,8 +56,10 @@ def plan_buckets(named: list[tuple[str, torch.nn.Parameter]],
     return buckets
 
 
-def _named(optimizer: torch.optim.Optimizer,
-           named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None):
+def _named(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
+):
     """(name, parameter) for every parameter of the optimizer that requires a gradient, in
     the optimizer's order; Horovod's checks on named_parameters."""
     in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
@@ -62,8 +67,9 @@ def _named(optimizer: torch.optim.Optimizer,
         return [(f"noname.{i}", p) for i, p in enumerate(in_optimizer) if p.requires_grad]
     named = list(named_parameters)
     if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named):
-        raise ValueError("named_parameters must be (name, parameter) pairs, as from "
-                         "model.named_parameters()")
+        raise ValueError(
+            "named_parameters must be (name, parameter) pairs, as from model.named_parameters()"
+        )
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -71,9 +77,11 @@ def _named(optimizer: torch.optim.Optimizer,
     by_param = {p: n for n, p in named}
     missing = [i for i, p in enumerate(in_optimizer) if p not in by_param]
     if missing:
-        raise ValueError(f"named_parameters does not name the optimizer's parameters at "
-                         f"positions {missing}: pass model.named_parameters() of the model whose "
-                         "parameters the optimizer holds")
+        raise ValueError(
+            f"named_parameters does not name the optimizer's parameters at "
+            f"positions {missing}: pass model.named_parameters() of the model whose "
+            "parameters the optimizer holds"
+        )
     return [(by_param[p], p) for p in in_optimizer if p.requires_grad]
 
 
@@ -90,13 +98,24 @@ class _BucketSlot:
 class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class (see DistributedOptimizer)."""
 
-    def _setup(self, grace: Communicator, named, backward_passes_per_step: int,
-               bucket_cap_mb: float | None, dense_warmup_steps: int, min_numel: int,
-               overlap: bool) -> None:
+    def _setup(
+        self,
+        grace: Communicator,
+        named,
+        backward_passes_per_step: int,
+        bucket_cap_mb: float | None,
+        dense_warmup_steps: int,
+        min_numel: int,
+        overlap: bool,
+    ) -> None:
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+            raise ValueError(
+                f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
+            )
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0 or None (one bucket), got {bucket_cap_mb!r}")
+            raise ValueError(
+                f"bucket_cap_mb must be > 0 or None (one bucket), got {bucket_cap_mb!r}"
+            )
         self._sync = GradientSync(grace, dense_warmup_steps, min_numel)
         self.backward_passes_per_step = backward_passes_per_step
         self._slots = [_BucketSlot(m) for m in plan_buckets(named, bucket_cap_mb)] if named else []
@@ -108,7 +127,9 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self._executor = communication_thread(grace, overlap, "spardl-comm")
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._slot_of]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._slot_of
+        ]
 
     @property
     def grace(self) -> Communicator:
@@ -131,7 +152,8 @@ class _DistributedOptimizer:
                 f"the gradient of '{self._names[p]}' was computed {self._passes[p]} times before "
                 f"step() or synchronize(), with backward_passes_per_step="
                 f"{self.backward_passes_per_step}: raise backward_passes_per_step to accumulate "
-                "gradients locally")
+                "gradients locally"
+            )
         if self._passes[p] == self.backward_passes_per_step:
             slot = self._slots[self._slot_of[p]]
             slot.ready += 1
@@ -146,8 +168,13 @@ class _DistributedOptimizer:
             self._launch(slot)
 
     def _launch(self, slot: _BucketSlot) -> None:
-        out = self._flat_pool.take(slot.bucket.key, slot.bucket.numel, slot.dtype,
-                                   slot.params[0].device) if slot.flattens_in_place else None
+        out = (
+            self._flat_pool.take(
+                slot.bucket.key, slot.bucket.numel, slot.dtype, slot.params[0].device
+            )
+            if slot.flattens_in_place
+            else None
+        )
         flat = flatten_grads(slot.params, slot.dtype, out)
         if self._executor is not None:
             self._pending.append(self._executor.submit(self._sync.synchronize, flat, slot.bucket))
@@ -194,9 +221,11 @@ class _DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pending:
-            raise RuntimeError("zero_grad() was called after backward() and before step() or "
-                               "synchronize(): the gradients are being communicated. Call "
-                               "zero_grad() before backward(), or step()/synchronize() first")
+            raise RuntimeError(
+                "zero_grad() was called after backward() and before step() or "
+                "synchronize(): the gradients are being communicated. Call "
+                "zero_grad() before backward(), or step()/synchronize() first"
+            )
         super().zero_grad(set_to_none=set_to_none)
 
     def compression_state_dict(self) -> dict[str, Any]:
@@ -216,16 +245,23 @@ def _check_momentum(optimizer: torch.optim.Optimizer, grace: Communicator) -> No
     optimizer would apply it twice (DGC runs plain SGD on the synchronised result)."""
     mc = getattr(grace.memory, "momentum_correction", 0.0)
     if mc and any(group.get("momentum", 0) for group in optimizer.param_groups):
-        raise ValueError(f"the grace memory applies momentum correction ({mc}) to the gradients "
-                         "before they are synchronised: give the optimizer momentum=0 (to keep "
-                         "weight decay's steady-state effect, scale it by 1/(1 - momentum))")
+        raise ValueError(
+            f"the grace memory applies momentum correction ({mc}) to the gradients "
+            "before they are synchronised: give the optimizer momentum=0 (to keep "
+            "weight decay's steady-state effect, scale it by 1/(1 - momentum))"
+        )
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, grace: Communicator | None = None,
-                         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                         backward_passes_per_step: int = 1, bucket_cap_mb: float | None = None,
-                         dense_warmup_steps: int = 0, min_numel: int = 0,
-                         overlap: bool = True) -> torch.optim.Optimizer:
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    grace: Communicator | None = None,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    backward_passes_per_step: int = 1,
+    bucket_cap_mb: float | None = None,
+    dense_warmup_steps: int = 0,
+    min_numel: int = 0,
+    overlap: bool = True,
+) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() applies gradients averaged over all ranks by `grace`.
 
     The result is an instance of a subclass of the optimizer's own class sharing its state,
@@ -244,10 +280,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, grace: Communicator |
         for an MPI library without thread support).
     """
     if grace is None:
-        raise ValueError("DistributedOptimizer needs a grace communicator: "
-                         "DistributedOptimizer(optimizer, grace_from_params(params), ...)")
+        raise ValueError(
+            "DistributedOptimizer needs a grace communicator: "
+            "DistributedOptimizer(optimizer, grace_from_params(params), ...)"
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer")
     _check_momentum(optimizer, grace)
@@ -257,6 +297,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, grace: Communicator |
     wrapped.__dict__.update(optimizer.__dict__)
     if hasattr(wrapped, "_patch_step_function"):  # torch's step hooks and profiling
         wrapped._patch_step_function()
-    wrapped._setup(grace, named, backward_passes_per_step, bucket_cap_mb, dense_warmup_steps,
-                   min_numel, overlap)
+    wrapped._setup(
+        grace,
+        named,
+        backward_passes_per_step,
+        bucket_cap_mb,
+        dense_warmup_steps,
+        min_numel,
+        overlap,
+    )
     return wrapped

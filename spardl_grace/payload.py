@@ -7,6 +7,7 @@ ones (a Bloom filter's false positives), `encode` reports exactly what the recei
 decode; senders subtract *that* from their working copy, so whatever the codec does not
 deliver stays in the sender's residual and gradient mass is conserved.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -22,6 +23,7 @@ INT32_MAX = 2**31 - 1
 @dataclass
 class Encoded:
     """A coded message and exactly what decoding it yields (int64 indices, values)."""
+
     data: torch.Tensor
     indices: torch.Tensor
     values: torch.Tensor
@@ -38,8 +40,14 @@ class PayloadCodec(ABC):
         """The uint8 message for the entries of the 1-D `block` at int64 `indices`."""
 
     @abstractmethod
-    def decode(self, data: torch.Tensor, block_size: int, dtype: torch.dtype,
-               device: torch.device, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self,
+        data: torch.Tensor,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        key: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 indices, values) from a message; raises ValueError on a malformed one."""
 
     def encode(self, block: torch.Tensor, indices: torch.Tensor, key: str) -> Encoded:
@@ -55,8 +63,9 @@ class PayloadCodec(ABC):
         on nothing else (so a receiver can expect it), else None."""
         return None
 
-    def encode_sparse(self, indices: torch.Tensor, values: torch.Tensor, size: int,
-                      key: str) -> Encoded:
+    def encode_sparse(
+        self, indices: torch.Tensor, values: torch.Tensor, size: int, key: str
+    ) -> Encoded:
         """Code a sparse vector of length `size` given by its entries (unique int64 `indices`,
         `values`); positions outside `indices` hold 0. For senders that hold a set of entries
         rather than a dense block (gTop-k's merged sets)."""
@@ -80,18 +89,24 @@ class IdentityCodec(PayloadCodec):
     @staticmethod
     def _pack(values: torch.Tensor, indices: torch.Tensor, size: int) -> torch.Tensor:
         if size > INT32_MAX + 1:
-            raise ValueError(f"a block of {size} entries does not fit int32 indices: split the "
-                             f"tensor into buckets of at most {INT32_MAX + 1} entries")
+            raise ValueError(
+                f"a block of {size} entries does not fit int32 indices: split the "
+                f"tensor into buckets of at most {INT32_MAX + 1} entries"
+            )
         return torch.cat([as_bytes(values), as_bytes(indices.to(torch.int32))])
 
     def decode(self, data, block_size, dtype, device, key):
         itemsize = torch.empty((), dtype=dtype).element_size()
         if data.numel() % (itemsize + 4):
-            raise ValueError(f"identity payload of {data.numel()} bytes is not a whole number of "
-                             f"({itemsize}+4)-byte entries")
+            raise ValueError(
+                f"identity payload of {data.numel()} bytes is not a whole number of "
+                f"({itemsize}+4)-byte entries"
+            )
         count = data.numel() // (itemsize + 4)
         values = from_bytes(data[: count * itemsize], dtype).to(device)
-        indices = from_bytes(data[count * itemsize:], torch.int32).to(device=device, dtype=torch.int64)
+        indices = from_bytes(data[count * itemsize :], torch.int32).to(
+            device=device, dtype=torch.int64
+        )
         if count and (int(indices.min()) < 0 or int(indices.max()) >= block_size):
             raise ValueError(f"identity payload has indices outside the block of {block_size}")
         return indices, values
@@ -122,8 +137,12 @@ def unpack_frames(data: torch.Tensor) -> list[torch.Tensor]:
     count = int(from_bytes(data[:4].cpu(), torch.int32)[0])
     head = 4 * (count + 1)
     if count < 0 or data.numel() < head:
-        raise ValueError(f"framed message of {data.numel()} bytes cannot hold {count} frame lengths")
+        raise ValueError(
+            f"framed message of {data.numel()} bytes cannot hold {count} frame lengths"
+        )
     lengths = from_bytes(data[4:head].cpu(), torch.int32).tolist()
     if any(n < 0 for n in lengths) or head + sum(lengths) != data.numel():
-        raise ValueError(f"framed message lengths {lengths} do not add up to {data.numel() - head} bytes")
+        raise ValueError(
+            f"framed message lengths {lengths} do not add up to {data.numel() - head} bytes"
+        )
     return list(torch.split(data[head:], lengths))

@@ -12,13 +12,15 @@ Per-bucket state that is not a tensor per entry (step counters, Ok-Topk threshol
 regions, PowerSGD's Q) stays under the bucket key; after a rebuild it starts afresh, which
 the algorithms handle as on their first step.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -32,6 +34,7 @@ from .memories.none import NoneMemory
 @dataclass(frozen=True)
 class Bucket:
     """The parameters (by stable name) whose gradients lie back to back in a flat buffer."""
+
     names: tuple[str, ...]
     numels: tuple[int, ...]
 
@@ -71,10 +74,15 @@ def _back_to_back(parts: list[torch.Tensor | None], numels: tuple[int, ...]) -> 
     step = first.element_size()
     address = first.data_ptr()
     for part, numel in zip(parts, numels):
-        if part is None or part.numel() != numel or not part.is_contiguous() \
-                or part.dtype != first.dtype or part.device != first.device \
-                or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
-                or part.data_ptr() != address:
+        if (
+            part is None
+            or part.numel() != numel
+            or not part.is_contiguous()
+            or part.dtype != first.dtype
+            or part.device != first.device
+            or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or part.data_ptr() != address
+        ):
             return None
         address += numel * step
     return first.as_strided((sum(numels),), (1,))
@@ -94,15 +102,22 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
     saved = []
     # A GRACE user's own memory has no stores(): its entries stay under the bucket's key.
     stores = getattr(memory, "stores", None)
-    for store in (stores() if callable(stores) else []):
+    for store in stores() if callable(stores) else []:
         parts = [store.pop(name, None) for name in bucket.names]
         saved.append((store, parts))
         present = next((p for p in parts if p is not None), None)
         if present is not None:
             whole = _back_to_back(parts, bucket.numels)
-            store[bucket.key] = whole if whole is not None else torch.cat([
-                (p if p is not None else present.new_zeros(n)).reshape(-1)
-                for p, n in zip(parts, bucket.numels)])
+            store[bucket.key] = (
+                whole
+                if whole is not None
+                else torch.cat(
+                    [
+                        (p if p is not None else present.new_zeros(n)).reshape(-1)
+                        for p, n in zip(parts, bucket.numels)
+                    ]
+                )
+            )
     outcome = _Outcome()
     try:
         yield outcome
@@ -118,8 +133,9 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
                 store.update((n, p) for n, p in zip(bucket.names, parts) if p is not None)
 
 
-def communication_thread(grace: Communicator, overlap: bool,
-                         name: str) -> concurrent.futures.ThreadPoolExecutor | None:
+def communication_thread(
+    grace: Communicator, overlap: bool, name: str
+) -> concurrent.futures.ThreadPoolExecutor | None:
     """The one thread that synchronises buckets while backward goes on, or None when overlap
     is off or the transport cannot be used from another thread (an MPI library without
     MPI_THREAD_MULTIPLE): then buckets are synchronised where they become ready."""
@@ -144,8 +160,10 @@ class GradientSync:
 
     def __init__(self, grace: Communicator, dense_warmup_steps: int = 0, min_numel: int = 0):
         if not isinstance(grace, Communicator):
-            raise TypeError(f"grace must be a spardl_grace Communicator (grace_from_params(...)), "
-                            f"got {type(grace).__name__}")
+            raise TypeError(
+                f"grace must be a spardl_grace Communicator (grace_from_params(...)), "
+                f"got {type(grace).__name__}"
+            )
         for what, value in (("dense_warmup_steps", dense_warmup_steps), ("min_numel", min_numel)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{what} must be an int >= 0, got {value!r}")
@@ -170,12 +188,17 @@ class GradientSync:
         in communication_dtype(flat.dtype). Every rank must call it for the same buckets in
         the same order."""
         if flat.dim() != 1 or flat.numel() != bucket.numel:
-            raise ValueError(f"bucket {bucket.key} holds {bucket.numel} entries, "
-                             f"got a buffer of shape {tuple(flat.shape)}")
+            raise ValueError(
+                f"bucket {bucket.key} holds {bucket.numel} entries, "
+                f"got a buffer of shape {tuple(flat.shape)}"
+            )
         if bucket not in self._agreed:
             # The communicator checks the bucket's total size; the layout inside must match too.
-            agree(self.grace.transport, f"the layout of bucket {bucket.key}",
-                  {"parameters": list(bucket.names), "numels": list(bucket.numels)})
+            agree(
+                self.grace.transport,
+                f"the layout of bucket {bucket.key}",
+                {"parameters": list(bucket.names), "numels": list(bucket.numels)},
+            )
             self._agreed.add(bucket)
         flat = flat.to(communication_dtype(flat.dtype))
         # A communication thread starts on CUDA device 0, not on the device the rank chose.
@@ -209,4 +232,3 @@ class GradientSync:
         """Restore a state_dict() of the same world size (ValueError otherwise)."""
         self.grace.load_state_dict(state["grace"])
         self.steps = int(state["steps"])
-

@@ -1,2 +1,3 @@
 """The one version string of spardl-grace."""
+
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
 """Communicators: GRACE's (allreduce, allgather, broadcast), SparDL, and the peer sparse
 all-reduces it is measured against (dense, topka, gaussiank, topkdsa, gtopk, oktopk)."""
+
 from .dense import Dense
 from .grace import Allgather, Allreduce, Broadcast
 from .gtopk import GTopk
@@ -8,5 +9,15 @@ from .spardl import SparDL
 from .topka import GaussianK, TopkA
 from .topkdsa import TopkDSA
 
-__all__ = ["Allreduce", "Allgather", "Broadcast", "SparDL", "Dense", "TopkA", "GaussianK",
-           "TopkDSA", "GTopk", "OkTopk"]
+__all__ = [
+    "Allgather",
+    "Allreduce",
+    "Broadcast",
+    "Dense",
+    "GTopk",
+    "GaussianK",
+    "OkTopk",
+    "SparDL",
+    "TopkA",
+    "TopkDSA",
+]

@@ -1,4 +1,5 @@
 """The common base of the sparse all-reduces that code their messages."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,8 +19,14 @@ class CodedAllreduce(SparseAllreduce):
     live in `scratch`, reused from step to step; buffers that leave a step (residuals) come
     from `pool`."""
 
-    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
-                 density: float, codec: PayloadCodec | None = None):
+    def __init__(
+        self,
+        compressor: Compressor,
+        memory: Memory,
+        transport: Transport,
+        density: float,
+        codec: PayloadCodec | None = None,
+    ):
         super().__init__(compressor, memory, transport, density)
         self.codec = codec or IdentityCodec()
         self._steps: dict[str, int] = {}

@@ -1,10 +1,11 @@
 """Building blocks shared by the sparse all-reduces."""
+
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -37,8 +38,14 @@ def _magnitude_bits(values: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
     return values.abs().view(as_int).to(torch.int64), as_int
 
 
-def global_kth_magnitude(transport: Transport, values: torch.Tensor, k: int, name: str,
-                         stats: "StepStats", phase: str = "threshold") -> torch.Tensor:
+def global_kth_magnitude(
+    transport: Transport,
+    values: torch.Tensor,
+    k: int,
+    name: str,
+    stats: StepStats,
+    phase: str = "threshold",
+) -> torch.Tensor:
     """The exact k-th largest |v| over the union of every rank's `values` (one floating dtype
     on every rank), as a 0-d tensor of that dtype; 0 when fewer than k values exist in all.
 
@@ -68,9 +75,16 @@ def global_kth_magnitude(transport: Transport, values: torch.Tensor, k: int, nam
     return torch.tensor([prefix], dtype=torch.int64).to(as_int).view(values.dtype)[0]
 
 
-def bruck_allgather(transport: Transport, piece: torch.Tensor, group: list[int], me: int,
-                    name: str, stats: "StepStats", phase: str,
-                    piece_size: int | None = None) -> list[torch.Tensor]:
+def bruck_allgather(
+    transport: Transport,
+    piece: torch.Tensor,
+    group: list[int],
+    me: int,
+    name: str,
+    stats: StepStats,
+    phase: str,
+    piece_size: int | None = None,
+) -> list[torch.Tensor]:
     """Every member of `group` (global ranks, in group order; we are group[me]) ends with every
     member's uint8 `piece`, returned in group order. ceil(log2 g) messages per member; each is
     one round trip when every piece has the known `piece_size` bytes."""
@@ -80,16 +94,21 @@ def bruck_allgather(transport: Transport, piece: torch.Tensor, group: list[int],
         stats.add_bytes(phase, message.numel() - frame_overhead(count), frame_overhead(count))
         expected = None if piece_size is None else frame_overhead(count) + count * piece_size
         with stats.timer("comm_s"):
-            got = transport.sendrecv(message, dst=group[(me - distance) % len(group)],
-                                     src=group[(me + distance) % len(group)], name=f"{name}.{s}",
-                                     recv_numel=expected)
+            got = transport.sendrecv(
+                message,
+                dst=group[(me - distance) % len(group)],
+                src=group[(me + distance) % len(group)],
+                name=f"{name}.{s}",
+                recv_numel=expected,
+            )
         held.extend(unpack_frames(got))
     g = len(group)
     return [held[(i - me) % g] for i in range(g)]
 
 
-def counted_allreduce(transport: Transport, tensor: torch.Tensor, name: str,
-                      stats: "StepStats", phase: str) -> torch.Tensor:
+def counted_allreduce(
+    transport: Transport, tensor: torch.Tensor, name: str, stats: StepStats, phase: str
+) -> torch.Tensor:
     """transport.allreduce, counted as a ring all-reduce: 2(P-1)/P of the tensor's bytes."""
     nbytes = tensor.numel() * tensor.element_size()
     stats.add_bytes(phase, ring_allreduce_bytes(nbytes, transport.size))
@@ -97,32 +116,42 @@ def counted_allreduce(transport: Transport, tensor: torch.Tensor, name: str,
         return transport.allreduce(tensor, name)
 
 
-def dense_average(transport: Transport, tensor: torch.Tensor, name: str, stats: "StepStats",
-                  phase: str = "dense") -> torch.Tensor:
+def dense_average(
+    transport: Transport, tensor: torch.Tensor, name: str, stats: StepStats, phase: str = "dense"
+) -> torch.Tensor:
     """The all-reduced average of `tensor` (counted as a ring all-reduce)."""
     stats.entries[phase] = tensor.numel()
     return counted_allreduce(transport, tensor, name, stats, phase).div_(transport.size)
 
 
-def allgather_bytes(transport: Transport, data: torch.Tensor, name: str, stats: "StepStats",
-                    phase: str) -> list[torch.Tensor]:
+def allgather_bytes(
+    transport: Transport, data: torch.Tensor, name: str, stats: StepStats, phase: str
+) -> list[torch.Tensor]:
     """transport.allgather of a uint8 message, counted as sent to each of the P-1 others."""
     stats.add_bytes(phase, data.numel() * (transport.size - 1))
     with stats.timer("comm_s"):
         return transport.allgather(data, name)
 
 
-def alltoall_bytes(transport: Transport, messages: list[torch.Tensor], name: str,
-                   stats: "StepStats", phase: str) -> list[torch.Tensor]:
+def alltoall_bytes(
+    transport: Transport, messages: list[torch.Tensor], name: str, stats: StepStats, phase: str
+) -> list[torch.Tensor]:
     """transport.alltoall of uint8 messages (ours to ourselves costs nothing)."""
     stats.add_bytes(phase, sum(m.numel() for j, m in enumerate(messages) if j != transport.rank))
     with stats.timer("comm_s"):
         return transport.alltoall(messages, name)
 
 
-def split_and_reduce(transport: Transport, codec: PayloadCodec, tensor: torch.Tensor,
-                     chosen: torch.Tensor, offsets: list[int], key: str, stats: "StepStats",
-                     phase: str = "reduce") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_and_reduce(
+    transport: Transport,
+    codec: PayloadCodec,
+    tensor: torch.Tensor,
+    chosen: torch.Tensor,
+    offsets: list[int],
+    key: str,
+    stats: StepStats,
+    phase: str = "reduce",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse reduce-scatter over P regions (region j = tensor[offsets[j]:offsets[j+1]] belongs
     to rank j): one all-to-all sends our `chosen` entries (sorted positions) of region j, coded
     with region-relative indices, to rank j. Returns (sent, reduced, member): what the owners
@@ -133,7 +162,7 @@ def split_and_reduce(transport: Transport, codec: PayloadCodec, tensor: torch.Te
     sent = torch.zeros_like(tensor)
     messages = []
     for j, part in enumerate(torch.split(chosen, torch.diff(bounds).tolist())):
-        block = tensor[offsets[j]:offsets[j + 1]]
+        block = tensor[offsets[j] : offsets[j + 1]]
         with stats.timer("coding_s"):
             enc = codec.encode(block, part - offsets[j], f"{key}.{phase}.{me}.{j}")
         sent[offsets[j] + enc.indices] = enc.values
@@ -146,8 +175,9 @@ def split_and_reduce(transport: Transport, codec: PayloadCodec, tensor: torch.Te
     member = torch.zeros(length, dtype=torch.bool, device=tensor.device)
     for src, data in enumerate(received):
         with stats.timer("coding_s"):
-            idx, vals = codec.decode(data, length, tensor.dtype, tensor.device,
-                                     f"{key}.{phase}.{src}.{me}")
+            idx, vals = codec.decode(
+                data, length, tensor.dtype, tensor.device, f"{key}.{phase}.{src}.{me}"
+            )
         reduced.index_add_(0, idx, vals)
         member[idx] = True
     return sent, reduced, member
@@ -163,7 +193,8 @@ class StepStats:
         self.framing_bytes: dict[str, int] = defaultdict(int, {p: 0 for p in phases})
         self.entries: dict[str, int] = defaultdict(int, {p: 0 for p in phases})
         self.seconds: dict[str, float] = defaultdict(
-            float, {k: 0.0 for k in ("selection_s", "coding_s", "comm_s")})
+            float, {k: 0.0 for k in ("selection_s", "coding_s", "comm_s")}
+        )
 
     def add_bytes(self, phase: str, payload: int, framing: int = 0) -> None:
         self.payload_bytes[phase] += payload

@@ -4,6 +4,7 @@ The compensated gradient (plain gradient unless a memory holds something) is sum
 transport's all-reduce (ring or tree, whatever the backend uses: 2n(P-1)/P words, 2(P-1)
 latency terms for a ring) and divided by P. Nothing is dropped, so the residual is zero.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,9 @@ from ._sparse_collectives import StepStats, dense_average
 class Dense(SparseAllreduce):
     """The 'dense' communicator: all-reduce, average, zero residual. Ignores the density."""
 
-    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
-                 density: float = 1.0):
+    def __init__(
+        self, compressor: Compressor, memory: Memory, transport: Transport, density: float = 1.0
+    ):
         super().__init__(compressor, memory, transport, density)
         self._zeros: dict[str, torch.Tensor] = {}
 
@@ -32,7 +34,11 @@ class Dense(SparseAllreduce):
         never write into them (Memory.stores), so it stays zero, and no step pays for a new
         gradient-sized allocation."""
         zeros = self._zeros.get(name)
-        if zeros is None or zeros.shape != like.shape or zeros.dtype != like.dtype \
-                or zeros.device != like.device:
+        if (
+            zeros is None
+            or zeros.shape != like.shape
+            or zeros.dtype != like.dtype
+            or zeros.device != like.device
+        ):
             zeros = self._zeros[name] = torch.zeros_like(like)
         return zeros

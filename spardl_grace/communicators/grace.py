@@ -1,4 +1,5 @@
 """GRACE's communicators: allreduce, allgather and broadcast of compressed tensors."""
+
 from __future__ import annotations
 
 import torch
@@ -23,10 +24,14 @@ class Allgather(Communicator):
     local context, aggregates and averages."""
 
     def send_receive(self, tensors, name, ctx):
-        gathered = [self.transport.allgather(t.reshape(-1), f"allgather.{name}.{i}")
-                    for i, t in enumerate(tensors)]
+        gathered = [
+            self.transport.allgather(t.reshape(-1), f"allgather.{name}.{i}")
+            for i, t in enumerate(tensors)
+        ]
         if same_sizes(self.compressor):
-            gathered = [[g.view(t.shape) for g in per_rank] for t, per_rank in zip(tensors, gathered)]
+            gathered = [
+                [g.view(t.shape) for g in per_rank] for t, per_rank in zip(tensors, gathered)
+            ]
         return self._combine(list(zip(*gathered)), ctx)
 
     def _combine(self, per_worker, ctx):

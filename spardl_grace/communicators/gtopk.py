@@ -28,6 +28,7 @@ the dense average.
 selected) indices zeroed. It does not conserve mass when a contribution was dropped mid-way
 for an index that is finally selected; it exists to compare against the published algorithm.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -49,6 +50,7 @@ RESIDUAL_RULES = ("exact", "paper")
 class _Set(NamedTuple):
     """A worker's current candidate set: sorted unique indices, values, this worker's credit,
     and (on a fold partner) which entries still carry the folded worker's contribution."""
+
     indices: torch.Tensor
     values: torch.Tensor
     credit: torch.Tensor
@@ -63,15 +65,24 @@ def _sorted(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, 
 class GTopk(CodedAllreduce):
     """The 'gtopk' communicator. residual_rule: 'exact' (conserves mass, default) or 'paper'."""
 
-    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
-                 density: float, residual_rule: str = "exact", codec: PayloadCodec | None = None):
+    def __init__(
+        self,
+        compressor: Compressor,
+        memory: Memory,
+        transport: Transport,
+        density: float,
+        residual_rule: str = "exact",
+        codec: PayloadCodec | None = None,
+    ):
         super().__init__(compressor, memory, transport, density, codec)
         if residual_rule not in RESIDUAL_RULES:
-            raise ValueError(f"unknown gtopk residual rule {residual_rule!r}; valid choices: "
-                             f"{', '.join(RESIDUAL_RULES)}")
+            raise ValueError(
+                f"unknown gtopk residual rule {residual_rule!r}; valid choices: "
+                f"{', '.join(RESIDUAL_RULES)}"
+            )
         self.residual_rule = residual_rule
         size = transport.size
-        self.butterfly = 1 << (size.bit_length() - 1)   # p: the largest power of two <= P
+        self.butterfly = 1 << (size.bit_length() - 1)  # p: the largest power of two <= P
         self.extra = size - self.butterfly
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +122,15 @@ class GTopk(CodedAllreduce):
         self.last_stats = stats.as_dict()
         return result, residual
 
-    def _send_to(self, peer: int | None, data: torch.Tensor | None, name: str,
-                 stats: StepStats, phase: str, expected: int | None = 0) -> torch.Tensor:
+    def _send_to(
+        self,
+        peer: int | None,
+        data: torch.Tensor | None,
+        name: str,
+        stats: StepStats,
+        phase: str,
+        expected: int | None = 0,
+    ) -> torch.Tensor:
         """One step of a pairwise exchange in which only some ranks take part: every rank calls
         sendrecv (Horovod needs all ranks in every op); idle ranks talk to themselves.
         expected: the bytes the peer sends (0 unless given; None: unknown, sizes travel)."""
@@ -131,8 +149,9 @@ class GTopk(CodedAllreduce):
         exactly k entries: the top k of a union of two k-sets)."""
         return self.codec.fixed_size(k, dtype)
 
-    def _fold(self, current: _Set, coded: torch.Tensor, n: int, k: int, key: str,
-              stats: StepStats) -> _Set:
+    def _fold(
+        self, current: _Set, coded: torch.Tensor, n: int, k: int, key: str, stats: StepStats
+    ) -> _Set:
         if not self.extra:
             return current
         me, p = self.transport.rank, self.butterfly
@@ -141,41 +160,72 @@ class GTopk(CodedAllreduce):
             self._send_to(me - p, coded, f"fold.{key}", stats, "fold")
             return current
         if me < self.extra:
-            got = self._send_to(me + p, None, f"fold.{key}", stats, "fold",
-                                self._set_size(k, current.values.dtype))
+            got = self._send_to(
+                me + p, None, f"fold.{key}", stats, "fold", self._set_size(k, current.values.dtype)
+            )
             with stats.timer("coding_s"):
-                idx, vals = _sorted(*self.codec.decode(got, n, current.values.dtype,
-                                                       current.values.device, f"{key}.select.{me + p}"))
+                idx, vals = _sorted(
+                    *self.codec.decode(
+                        got,
+                        n,
+                        current.values.dtype,
+                        current.values.device,
+                        f"{key}.select.{me + p}",
+                    )
+                )
             ones = torch.ones(idx.numel(), dtype=torch.bool, device=idx.device)
-            return self._merge(current._replace(folded=torch.zeros_like(current.indices, dtype=torch.bool)),
-                               _Set(idx, vals, torch.zeros_like(vals), ones), k, stats)
+            return self._merge(
+                current._replace(folded=torch.zeros_like(current.indices, dtype=torch.bool)),
+                _Set(idx, vals, torch.zeros_like(vals), ones),
+                k,
+                stats,
+            )
         self._send_to(None, None, f"fold.{key}", stats, "fold")
         return current
 
-    def _merge_round(self, current: _Set, i: int, n: int, k: int, key: str,
-                     stats: StepStats) -> _Set:
+    def _merge_round(
+        self, current: _Set, i: int, n: int, k: int, key: str, stats: StepStats
+    ) -> _Set:
         me = self.transport.rank
         partner = me ^ (1 << i)
         leader, partner_leader = (me >> i) << i, (partner >> i) << i
         with stats.timer("coding_s"):
-            enc = self.codec.encode_sparse(current.indices, current.values, n,
-                                           f"{key}.merge.{i}.{leader}")
+            enc = self.codec.encode_sparse(
+                current.indices, current.values, n, f"{key}.merge.{i}.{leader}"
+            )
         mine = self._after_coding(current, enc.indices, enc.values, leader == me)
         stats.entries["merge"] += enc.indices.numel()
-        got = self._send_to(partner, enc.data, f"merge.{key}.{i}", stats, "merge",
-                            self._set_size(k, current.values.dtype))
+        got = self._send_to(
+            partner,
+            enc.data,
+            f"merge.{key}.{i}",
+            stats,
+            "merge",
+            self._set_size(k, current.values.dtype),
+        )
         with stats.timer("coding_s"):
-            idx, vals = _sorted(*self.codec.decode(got, n, current.values.dtype,
-                                                   current.values.device,
-                                                   f"{key}.merge.{i}.{partner_leader}"))
-        theirs = _Set(idx, vals, torch.zeros_like(vals),
-                      None if current.folded is None else torch.zeros_like(idx, dtype=torch.bool))
+            idx, vals = _sorted(
+                *self.codec.decode(
+                    got,
+                    n,
+                    current.values.dtype,
+                    current.values.device,
+                    f"{key}.merge.{i}.{partner_leader}",
+                )
+            )
+        theirs = _Set(
+            idx,
+            vals,
+            torch.zeros_like(vals),
+            None if current.folded is None else torch.zeros_like(idx, dtype=torch.bool),
+        )
         low, high = (mine, theirs) if me < partner else (theirs, mine)
         return self._merge(low, high, k, stats)
 
     @staticmethod
-    def _after_coding(current: _Set, idx: torch.Tensor, vals: torch.Tensor,
-                      is_leader: bool) -> _Set:
+    def _after_coding(
+        current: _Set, idx: torch.Tensor, vals: torch.Tensor, is_leader: bool
+    ) -> _Set:
         """Our set as the receiver decodes it; the leader's credit absorbs the coding error."""
         idx, vals = _sorted(idx, vals)
         credit = realign(current.indices, current.credit, idx)
@@ -203,8 +253,9 @@ class GTopk(CodedAllreduce):
                 folded = torch.zeros(union.numel(), dtype=torch.int32, device=union.device)
                 folded = folded.index_add_(0, inverse, flags) > 0
             keep = torch.sort(topk_abs(values, k)).values
-        return _Set(union[keep], values[keep], credit[keep],
-                    None if folded is None else folded[keep])
+        return _Set(
+            union[keep], values[keep], credit[keep], None if folded is None else folded[keep]
+        )
 
     def _final_coding(self, current: _Set, n: int, key: str, stats: StepStats) -> tuple:
         with stats.timer("coding_s"):
@@ -212,8 +263,15 @@ class GTopk(CodedAllreduce):
         final = self._after_coding(current, enc.indices, enc.values, self.transport.rank == 0)
         return final, enc.data
 
-    def _deliver(self, final, own_idx: torch.Tensor, own_vals: torch.Tensor, n: int, key: str,
-                 stats: StepStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _deliver(
+        self,
+        final,
+        own_idx: torch.Tensor,
+        own_vals: torch.Tensor,
+        n: int,
+        key: str,
+        stats: StepStats,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(final indices, final values, our credit on them) on every rank: the fold partners
         send the coded final set and a bitmask of the entries that carry the folded worker's
         contribution, whose credit is then its own coded value there."""
@@ -224,8 +282,9 @@ class GTopk(CodedAllreduce):
         if me < p:
             final_set, data = final
             if me < self.extra:
-                message = pack_frames([data, bitpack.pack(final_set.folded.to(torch.int64), 1)
-                                       .to(data.device)])
+                message = pack_frames(
+                    [data, bitpack.pack(final_set.folded.to(torch.int64), 1).to(data.device)]
+                )
                 stats.entries["final"] = final_set.indices.numel()
                 self._send_to(me + p, message, f"final.{key}", stats, "final")
             else:
@@ -240,10 +299,10 @@ class GTopk(CodedAllreduce):
         credit = torch.where(folded, realign(own_idx, own_vals, idx), torch.zeros_like(vals))
         return idx, vals, credit
 
-    def _split_final(self, message: torch.Tensor, n: int, dtype: torch.dtype,
-                     device: torch.device, key: str):
+    def _split_final(
+        self, message: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device, key: str
+    ):
         """(indices, values, folded mask) from the final message: the coded set and the mask."""
         data, mask = unpack_frames(message)
         idx, vals = _sorted(*self.codec.decode(data, n, dtype, device, f"{key}.final"))
         return idx, vals, bitpack.unpack(mask, idx.numel(), 1).to(device=device, dtype=torch.bool)
-

@@ -34,6 +34,7 @@ the thresholds keep the counts near k (4k(P-1)/P with balanced regions). The siz
 the boundary all-reduce (every tau') and the radix select (every tau) add a few hundred bytes.
 Indices always travel as int32, never packed into floats.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,30 +46,63 @@ from ..compressors._sparse import count_for_ratio, topk_abs
 from ..payload import PayloadCodec
 from ..transport import Transport
 from ._base import CodedAllreduce
-from ._sparse_collectives import (StepStats, allgather_bytes, counted_allreduce, dense_average,
-                                  global_kth_magnitude, split_and_reduce)
+from ._sparse_collectives import (
+    StepStats,
+    allgather_bytes,
+    counted_allreduce,
+    dense_average,
+    global_kth_magnitude,
+    split_and_reduce,
+)
 
 PHASES = ("dense", "reduce", "gather", "threshold", "regions")
-LOCAL_BAND = (2 / 3, 5 / 4)    # nudge theta_local when the local count leaves [2k/3, 5k/4]
-GLOBAL_BAND = (2 / 3, 4 / 3)   # nudge theta_global when the global count leaves [2k/3, 4k/3]
-GUARD_BAND = (1 / 2, 3 / 2)    # recompute a reused threshold at once outside [k/2, 3k/2]
-DEFAULTS = {"warmup": 0, "threshold_interval": 32, "region_interval": 64,
-            "local_scale": 1.012, "global_scale": 1.008}
+LOCAL_BAND = (2 / 3, 5 / 4)  # nudge theta_local when the local count leaves [2k/3, 5k/4]
+GLOBAL_BAND = (2 / 3, 4 / 3)  # nudge theta_global when the global count leaves [2k/3, 4k/3]
+GUARD_BAND = (1 / 2, 3 / 2)  # recompute a reused threshold at once outside [k/2, 3k/2]
+DEFAULTS = {
+    "warmup": 0,
+    "threshold_interval": 32,
+    "region_interval": 64,
+    "local_scale": 1.012,
+    "global_scale": 1.008,
+}
 
 
-def check_params(warmup: int, threshold_interval: int, region_interval: int,
-                 local_scale: float, global_scale: float) -> None:
+def check_params(
+    warmup: int,
+    threshold_interval: int,
+    region_interval: int,
+    local_scale: float,
+    global_scale: float,
+) -> None:
     """ValueError naming the key (as grace_from_params spells it) of the first invalid value."""
     for key, value, ok, rule in [
-            ("warmup", warmup, isinstance(warmup, int) and warmup >= 0, "an int >= 0"),
-            ("threshold_interval", threshold_interval,
-             isinstance(threshold_interval, int) and threshold_interval >= 1, "an int >= 1"),
-            ("region_interval", region_interval,
-             isinstance(region_interval, int) and region_interval >= 1, "an int >= 1"),
-            ("local_scale", local_scale,
-             isinstance(local_scale, (int, float)) and local_scale > 1, "a number > 1"),
-            ("global_scale", global_scale,
-             isinstance(global_scale, (int, float)) and global_scale > 1, "a number > 1")]:
+        ("warmup", warmup, isinstance(warmup, int) and warmup >= 0, "an int >= 0"),
+        (
+            "threshold_interval",
+            threshold_interval,
+            isinstance(threshold_interval, int) and threshold_interval >= 1,
+            "an int >= 1",
+        ),
+        (
+            "region_interval",
+            region_interval,
+            isinstance(region_interval, int) and region_interval >= 1,
+            "an int >= 1",
+        ),
+        (
+            "local_scale",
+            local_scale,
+            isinstance(local_scale, (int, float)) and local_scale > 1,
+            "a number > 1",
+        ),
+        (
+            "global_scale",
+            global_scale,
+            isinstance(global_scale, (int, float)) and global_scale > 1,
+            "a number > 1",
+        ),
+    ]:
         if not ok:
             raise ValueError(f"oktopk_{key} must be {rule}, got {value!r}")
 
@@ -96,13 +130,19 @@ class OkTopk(CodedAllreduce):
     warmup: dense steps before sparsification (int >= 0); threshold_interval, region_interval:
     tau and tau' (ints >= 1); local_scale, global_scale: the nudge factors (> 1)."""
 
-    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
-                 density: float, warmup: int = DEFAULTS["warmup"],
-                 threshold_interval: int = DEFAULTS["threshold_interval"],
-                 region_interval: int = DEFAULTS["region_interval"],
-                 local_scale: float = DEFAULTS["local_scale"],
-                 global_scale: float = DEFAULTS["global_scale"],
-                 codec: PayloadCodec | None = None):
+    def __init__(
+        self,
+        compressor: Compressor,
+        memory: Memory,
+        transport: Transport,
+        density: float,
+        warmup: int = DEFAULTS["warmup"],
+        threshold_interval: int = DEFAULTS["threshold_interval"],
+        region_interval: int = DEFAULTS["region_interval"],
+        local_scale: float = DEFAULTS["local_scale"],
+        global_scale: float = DEFAULTS["global_scale"],
+        codec: PayloadCodec | None = None,
+    ):
         super().__init__(compressor, memory, transport, density, codec)
         check_params(warmup, threshold_interval, region_interval, local_scale, global_scale)
         self.warmup = warmup
@@ -135,7 +175,9 @@ class OkTopk(CodedAllreduce):
         everything = k >= n
 
         with stats.timer("selection_s"):
-            if not everything and (t % self.threshold_interval == 0 or name not in self._theta_local):
+            if not everything and (
+                t % self.threshold_interval == 0 or name not in self._theta_local
+            ):
                 self._theta_local[name] = _kth_magnitude(tensor, k)
             theta = 0.0 if everything else self._theta_local[name]
             chosen = _at_least(tensor, theta)
@@ -143,13 +185,16 @@ class OkTopk(CodedAllreduce):
                 theta = self._theta_local[name] = _kth_magnitude(tensor, k)
                 chosen = _at_least(tensor, theta)
             if not everything:
-                self._theta_local[name] = _nudge(theta, chosen.numel(), k, LOCAL_BAND, self.local_scale)
+                self._theta_local[name] = _nudge(
+                    theta, chosen.numel(), k, LOCAL_BAND, self.local_scale
+                )
         if t % self.region_interval == 0 or name not in self._offsets:
             self._offsets[name] = self._balanced_offsets(chosen, n, f"regions.{key}", stats)
         offsets = self._offsets[name]
 
-        sent, reduced, member = split_and_reduce(self.transport, self.codec, tensor, chosen,
-                                                 offsets, key, stats)
+        sent, reduced, member = split_and_reduce(
+            self.transport, self.codec, tensor, chosen, offsets, key, stats
+        )
         me = self.transport.rank
         lo, hi = offsets[me], offsets[me + 1]
 
@@ -164,8 +209,11 @@ class OkTopk(CodedAllreduce):
         else:
             global_theta = self._theta_global[name]
             mine = (magnitudes >= global_theta).sum().to(torch.int64).reshape(1).cpu()
-            count = int(counted_allreduce(self.transport, mine, f"threshold.{key}.count",
-                                          stats, "threshold")[0])
+            count = int(
+                counted_allreduce(
+                    self.transport, mine, f"threshold.{key}.count", stats, "threshold"
+                )[0]
+            )
             if not GUARD_BAND[0] * k <= count <= GUARD_BAND[1] * k:
                 global_theta = self._recompute_global(name, reduced[candidates], k, key, stats)
                 recomputed = True
@@ -180,35 +228,47 @@ class OkTopk(CodedAllreduce):
         delivered = torch.zeros(n, dtype=torch.bool, device=tensor.device)
         for j, data in enumerate(pieces):
             with stats.timer("coding_s"):
-                idx, vals = self.codec.decode(data, offsets[j + 1] - offsets[j], tensor.dtype,
-                                              tensor.device, f"{key}.gather.{j}")
+                idx, vals = self.codec.decode(
+                    data,
+                    offsets[j + 1] - offsets[j],
+                    tensor.dtype,
+                    tensor.device,
+                    f"{key}.gather.{j}",
+                )
             result[offsets[j] + idx] = vals
             delivered[offsets[j] + idx] = True
         # Senders are credited with what they sent to delivered indices; the owner keeps the
         # difference a lossy codec made to what it delivered.
         residual = tensor - torch.where(delivered, sent, torch.zeros_like(sent))
-        residual[lo:hi] += torch.where(delivered[lo:hi], reduced - result[lo:hi],
-                                       torch.zeros_like(reduced))
+        residual[lo:hi] += torch.where(
+            delivered[lo:hi], reduced - result[lo:hi], torch.zeros_like(reduced)
+        )
         result /= self.transport.size
         if not everything and not recomputed:
             count = int(delivered.sum())
-            self._theta_global[name] = _nudge(global_theta, count, k, GLOBAL_BAND, self.global_scale)
+            self._theta_global[name] = _nudge(
+                global_theta, count, k, GLOBAL_BAND, self.global_scale
+            )
         self.last_stats = stats.as_dict()
         return result, residual
 
-    def _recompute_global(self, name: str, values: torch.Tensor, k: int, key: str,
-                          stats: StepStats) -> float:
+    def _recompute_global(
+        self, name: str, values: torch.Tensor, k: int, key: str, stats: StepStats
+    ) -> float:
         theta = float(global_kth_magnitude(self.transport, values, k, f"threshold.{key}", stats))
         self._theta_global[name] = theta
         return theta
 
-    def _balanced_offsets(self, chosen: torch.Tensor, n: int, name: str,
-                          stats: StepStats) -> list[int]:
+    def _balanced_offsets(
+        self, chosen: torch.Tensor, n: int, name: str, stats: StepStats
+    ) -> list[int]:
         """P+1 region boundaries splitting the selected entries of all workers about evenly."""
         size = self.transport.size
         if chosen.numel() >= size:
             step = chosen.numel() // size
-            proposal = chosen[torch.arange(1, size, device=chosen.device) * step].to(torch.int64).cpu()
+            proposal = (
+                chosen[torch.arange(1, size, device=chosen.device) * step].to(torch.int64).cpu()
+            )
         else:
             proposal = torch.arange(1, size, dtype=torch.int64) * n // size
         total = counted_allreduce(self.transport, proposal, name, stats, "regions")
@@ -216,9 +276,12 @@ class OkTopk(CodedAllreduce):
         return [0, *inner, n]
 
     def _own_state(self) -> dict[str, Any]:
-        return {**super()._own_state(), "theta_local": dict(self._theta_local),
-                "theta_global": dict(self._theta_global),
-                "offsets": {k: list(v) for k, v in self._offsets.items()}}
+        return {
+            **super()._own_state(),
+            "theta_local": dict(self._theta_local),
+            "theta_global": dict(self._theta_global),
+            "offsets": {k: list(v) for k, v in self._offsets.items()},
+        }
 
     def _load_own_state(self, state: dict[str, Any]) -> None:
         super()._load_own_state(state)

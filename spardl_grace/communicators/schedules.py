@@ -1,4 +1,5 @@
 """Communication schedules as pure functions, so they can be checked without communicating."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ class SRSRound:
     """One round of Spar-Reduce-Scatter: worker r sends blocks (r + distance + b) % m for
     b in range(blocks) to (r + distance) % m, and receives blocks (r + b) % m from
     (r - distance) % m, one block per message."""
+
     distance: int
     blocks: int
 

@@ -30,6 +30,7 @@ Cost per worker (alpha-beta): (m - 1 + ceil(log2 d) + ceil(log2 m)) messages and
 4k(P-d)/P + 2h(d-1) words (k = rho*n): d = 1 minimises words, larger d trades words for
 fewer sequential messages (latency).
 """
+
 from __future__ import annotations
 
 import math
@@ -59,13 +60,22 @@ class SparDL(CodedAllreduce):
 
     RANK_LOCAL = ("team", "q")
 
-    def __init__(self, compressor: Compressor, memory: Memory, transport: Transport,
-                 density: float, teams: int = 1, codec: PayloadCodec | None = None):
+    def __init__(
+        self,
+        compressor: Compressor,
+        memory: Memory,
+        transport: Transport,
+        density: float,
+        teams: int = 1,
+        codec: PayloadCodec | None = None,
+    ):
         super().__init__(compressor, memory, transport, density, codec)
         if not isinstance(teams, int) or teams < 1 or transport.size % teams:
             divisors = [d for d in range(1, transport.size + 1) if transport.size % d == 0]
-            raise ValueError(f"teams must divide the number of workers ({transport.size}): "
-                             f"choose one of {divisors}, got {teams!r}")
+            raise ValueError(
+                f"teams must divide the number of workers ({transport.size}): "
+                f"choose one of {divisors}, got {teams!r}"
+            )
         self.teams = teams
         self.team_size = transport.size // teams
         self.team, self.q = divmod(transport.rank, self.team_size)
@@ -91,13 +101,15 @@ class SparDL(CodedAllreduce):
         if n == 0:
             return None
         block, _ = self.block_layout(n)
-        working = self._working_buffer(name, self.team_size * block,
-                                       communication_dtype(tensor.dtype), tensor.device)
+        working = self._working_buffer(
+            name, self.team_size * block, communication_dtype(tensor.dtype), tensor.device
+        )
         self._prepared[name] = working
         return working[:n]
 
-    def _working_buffer(self, name: str, numel: int, dtype: torch.dtype,
-                        device: torch.device) -> torch.Tensor:
+    def _working_buffer(
+        self, name: str, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         # D is handed to the memory as the residual, so it comes from the pool: the previous
         # step's residual is still held (the memory replaces it after this step), the one
         # before is free again.
@@ -114,8 +126,12 @@ class SparDL(CodedAllreduce):
             return tensor.clone(), tensor.clone()
 
         working = self._prepared.pop(name, None)
-        if working is None or working.numel() != m * block or working.dtype != tensor.dtype \
-                or working.device != tensor.device:
+        if (
+            working is None
+            or working.numel() != m * block
+            or working.dtype != tensor.dtype
+            or working.device != tensor.device
+        ):
             working = self._working_buffer(name, m * block, tensor.dtype, tensor.device)
         if working.data_ptr() != tensor.data_ptr():  # the memory did not write A in place
             working[:n] = tensor
@@ -130,15 +146,17 @@ class SparDL(CodedAllreduce):
         # With one team every final piece is exactly k_b entries; with cross-team merging it
         # is at most k_b, so its size travels with it.
         piece_size = self.codec.fixed_size(kb, tensor.dtype) if self.teams == 1 else None
-        pieces = bruck_allgather(self.transport, final, team_ranks, self.q, f"sag.{key}",
-                                 stats, "sag", piece_size)
+        pieces = bruck_allgather(
+            self.transport, final, team_ranks, self.q, f"sag.{key}", stats, "sag", piece_size
+        )
 
         result = self.zeros_for_result(name, working)
         selected = []
         for j, data in enumerate(pieces):
             with stats.timer("coding_s"):
-                idx, vals = self.codec.decode(data, block, tensor.dtype, tensor.device,
-                                              f"{key}.final.{j}")
+                idx, vals = self.codec.decode(
+                    data, block, tensor.dtype, tensor.device, f"{key}.final.{j}"
+                )
             result[j * block + idx] = vals / self.transport.size  # zeros need no division
             selected.append(j * block + idx)
         residual = self._residual(working, n, torch.cat(selected), undo)
@@ -146,8 +164,9 @@ class SparDL(CodedAllreduce):
         return result[:n], residual
 
     @staticmethod
-    def _residual(working: torch.Tensor, n: int, selected: torch.Tensor,
-                  undo: Undo) -> torch.Tensor:
+    def _residual(
+        working: torch.Tensor, n: int, selected: torch.Tensor, undo: Undo
+    ) -> torch.Tensor:
         """Global Residual Collection in place of D: D at the selected positions, the
         compensated gradient A elsewhere. D differs from A only where this step wrote into it,
         and each write logged what it overwrote: undoing the writes in reverse order gives A
@@ -158,8 +177,15 @@ class SparDL(CodedAllreduce):
         working[selected] = kept
         return working[:n]
 
-    def _spar_reduce_scatter(self, blocks: torch.Tensor, kb: int, team_ranks: list[int],
-                             key: str, stats: StepStats, undo: Undo) -> None:
+    def _spar_reduce_scatter(
+        self,
+        blocks: torch.Tensor,
+        kb: int,
+        team_ranks: list[int],
+        key: str,
+        stats: StepStats,
+        undo: Undo,
+    ) -> None:
         m, block = blocks.shape
         expected = self.codec.fixed_size(kb, blocks.dtype)  # None: sizes travel first
         for i, rnd in enumerate(srs_schedule(m)):
@@ -177,16 +203,26 @@ class SparDL(CodedAllreduce):
                 stats.add_bytes("srs", enc.data.numel())
                 stats.entries["srs"] += enc.indices.numel()
                 with stats.timer("comm_s"):
-                    got = self.transport.sendrecv(enc.data, dst, src, f"srs.{key}.{i}.{b}",
-                                                  recv_numel=expected)
+                    got = self.transport.sendrecv(
+                        enc.data, dst, src, f"srs.{key}.{i}.{b}", recv_numel=expected
+                    )
                 with stats.timer("coding_s"):
-                    idx, vals = self.codec.decode(got, block, blocks.dtype, blocks.device,
-                                                  f"{key}.srs.{in_block}")
+                    idx, vals = self.codec.decode(
+                        got, block, blocks.dtype, blocks.device, f"{key}.srs.{in_block}"
+                    )
                 undo.append((in_block * block + idx, blocks[in_block][idx]))
                 blocks[in_block][idx] += vals
 
-    def _select_final(self, own: torch.Tensor, name: str, numel: int, kb: int, key: str,
-                      stats: StepStats, undo: Undo) -> torch.Tensor:
+    def _select_final(
+        self,
+        own: torch.Tensor,
+        name: str,
+        numel: int,
+        kb: int,
+        key: str,
+        stats: StepStats,
+        undo: Undo,
+    ) -> torch.Tensor:
         """Choose this worker's block's final entries (cross-team merge when d > 1), subtract
         them from the working copy, and return them coded for the all-gather."""
         final_key = f"{key}.final.{self.q}"
@@ -210,14 +246,23 @@ class SparDL(CodedAllreduce):
         stats.entries["cross"] += piece.indices.numel()
         group = [t * self.team_size + self.q for t in range(self.teams)]
         # Every member of the group holds the same h (adapted from the same unions).
-        coded = bruck_allgather(self.transport, piece.data, group, self.team,
-                                f"cross.{key}", stats, "cross", self.codec.fixed_size(h, own.dtype))
+        coded = bruck_allgather(
+            self.transport,
+            piece.data,
+            group,
+            self.team,
+            f"cross.{key}",
+            stats,
+            "cross",
+            self.codec.fixed_size(h, own.dtype),
+        )
         union = torch.zeros_like(own)
         member = torch.zeros(own.numel(), dtype=torch.bool, device=own.device)
         for t, data in enumerate(coded):
             with stats.timer("coding_s"):
-                idx, vals = self.codec.decode(data, own.numel(), own.dtype, own.device,
-                                              f"{key}.cross.{self.q}.{t}")
+                idx, vals = self.codec.decode(
+                    data, own.numel(), own.dtype, own.device, f"{key}.cross.{self.q}.{t}"
+                )
             union[idx] += vals
             member[idx] = True
         with stats.timer("selection_s"):

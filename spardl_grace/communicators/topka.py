@@ -11,6 +11,7 @@ the sent entries zeroed; conservation holds exactly and rho = 1 is the dense ave
 'gaussiank' is the same exchange with the selection of Shi et al.'s Gaussian-k: a threshold
 from a normal fit of A (no sort), refined a few times towards k entries.
 """
+
 from __future__ import annotations
 
 import torch

@@ -16,6 +16,7 @@ P grows). Residual: A minus what was delivered, i.e. A with the selected entries
 identity codec); a lossy codec's error on the all-gather is kept by the region's owner, so
 conservation holds exactly and rho = 1 gives the dense average.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,23 +47,42 @@ class TopkDSA(CodedAllreduce):
         key = f"{name}.{step}"
 
         with stats.timer("selection_s"):
-            chosen = torch.sort(topk_abs(tensor, count_for_ratio(n, self.density), self.scratch)).values
-        sent, reduced, member = split_and_reduce(self.transport, self.codec, padded, chosen,
-                                                 [j * region for j in range(size + 1)], key, stats)
+            chosen = torch.sort(
+                topk_abs(tensor, count_for_ratio(n, self.density), self.scratch)
+            ).values
+        sent, reduced, member = split_and_reduce(
+            self.transport,
+            self.codec,
+            padded,
+            chosen,
+            [j * region for j in range(size + 1)],
+            key,
+            stats,
+        )
         residual = padded - sent
-        own = self._encode_region(reduced, member, f"{key}.gather.{me}", stats, residual, me * region)
+        own = self._encode_region(
+            reduced, member, f"{key}.gather.{me}", stats, residual, me * region
+        )
         pieces = allgather_bytes(self.transport, own, f"gather.{key}", stats, "gather")
         result = self.zeros_for_result(name, padded)
         for j, data in enumerate(pieces):
             with stats.timer("coding_s"):
-                result[j * region:(j + 1) * region] = self._decode_region(
-                    data, region, tensor.dtype, tensor.device, f"{key}.gather.{j}")
+                result[j * region : (j + 1) * region] = self._decode_region(
+                    data, region, tensor.dtype, tensor.device, f"{key}.gather.{j}"
+                )
         result /= size
         self.last_stats = stats.as_dict()
         return result[:n], residual[:n]
 
-    def _encode_region(self, reduced: torch.Tensor, member: torch.Tensor, key: str,
-                       stats: StepStats, residual: torch.Tensor, offset: int) -> torch.Tensor:
+    def _encode_region(
+        self,
+        reduced: torch.Tensor,
+        member: torch.Tensor,
+        key: str,
+        stats: StepStats,
+        residual: torch.Tensor,
+        offset: int,
+    ) -> torch.Tensor:
         """The all-gather message of our reduced region: sparse if smaller, else dense. What a
         lossy codec changes stays in our residual."""
         dense = as_bytes(reduced)
@@ -73,12 +93,13 @@ class TopkDSA(CodedAllreduce):
             return dense
         decoded = torch.zeros_like(reduced)
         decoded[enc.indices] = enc.values
-        residual[offset:offset + reduced.numel()] += reduced - decoded
+        residual[offset : offset + reduced.numel()] += reduced - decoded
         stats.entries["gather"] = enc.indices.numel()
         return enc.data
 
-    def _decode_region(self, data: torch.Tensor, region: int, dtype: torch.dtype,
-                       device: torch.device, key: str) -> torch.Tensor:
+    def _decode_region(
+        self, data: torch.Tensor, region: int, dtype: torch.dtype, device: torch.device, key: str
+    ) -> torch.Tensor:
         if data.numel() == region * torch.empty((), dtype=dtype).element_size():
             return from_bytes(data, dtype).to(device)
         idx, vals = self.codec.decode(data, region, dtype, device, key)

@@ -1,20 +1,33 @@
 """GRACE's compressors, one module each (the module docstring says what it sends)."""
-from .none import NoneCompressor
-from .fp16 import FP16Compressor
-from .topk import TopKCompressor
-from .randomk import RandomKCompressor
-from .threshold import ThresholdCompressor
+
 from .dgc import DgcCompressor
+from .efsignsgd import EFSignSGDCompressor
+from .fp16 import FP16Compressor
+from .natural import NaturalCompressor
+from .none import NoneCompressor
+from .onebit import OneBitCompressor
+from .powersgd import PowerSGDCompressor
 from .qsgd import QSGDCompressor
-from .terngrad import TernGradCompressor
+from .randomk import RandomKCompressor
 from .signsgd import SignSGDCompressor
 from .signum import SignumCompressor
-from .efsignsgd import EFSignSGDCompressor
-from .onebit import OneBitCompressor
-from .natural import NaturalCompressor
-from .powersgd import PowerSGDCompressor
+from .terngrad import TernGradCompressor
+from .threshold import ThresholdCompressor
+from .topk import TopKCompressor
 
-__all__ = ["NoneCompressor", "FP16Compressor", "TopKCompressor", "RandomKCompressor",
-           "ThresholdCompressor", "DgcCompressor", "QSGDCompressor", "TernGradCompressor",
-           "SignSGDCompressor", "SignumCompressor", "EFSignSGDCompressor", "OneBitCompressor",
-           "NaturalCompressor", "PowerSGDCompressor"]
+__all__ = [
+    "DgcCompressor",
+    "EFSignSGDCompressor",
+    "FP16Compressor",
+    "NaturalCompressor",
+    "NoneCompressor",
+    "OneBitCompressor",
+    "PowerSGDCompressor",
+    "QSGDCompressor",
+    "RandomKCompressor",
+    "SignSGDCompressor",
+    "SignumCompressor",
+    "TernGradCompressor",
+    "ThresholdCompressor",
+    "TopKCompressor",
+]

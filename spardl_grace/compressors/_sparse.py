@@ -1,8 +1,10 @@
 """Shared pieces of the sparsifying compressors: (values, indices) <-> dense."""
+
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -16,8 +18,8 @@ def count_for_ratio(numel: int, ratio: float) -> int:
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this torch.topk is as fast as the prefilter
 PREFILTER_SAMPLE = 1 << 14
-PREFILTER_MARGIN = 1.5         # aim the threshold at about 1.5 k candidates
-WORDWISE_MAX_FRACTION = 0.02   # sparse_nonzero's word scan pays off below this share of trues
+PREFILTER_MARGIN = 1.5  # aim the threshold at about 1.5 k candidates
+WORDWISE_MAX_FRACTION = 0.02  # sparse_nonzero's word scan pays off below this share of trues
 
 
 def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
@@ -28,8 +30,12 @@ def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
     above about 4%."""
     n = mask.numel()
     head = n - n % 8
-    if mask.device.type != "cpu" or not mask.is_contiguous() or mask.storage_offset() % 8 \
-            or head == 0:
+    if (
+        mask.device.type != "cpu"
+        or not mask.is_contiguous()
+        or mask.storage_offset() % 8
+        or head == 0
+    ):
         return torch.nonzero(mask).reshape(-1)
     flags = mask.view(torch.uint8)
     words = flags[:head].view(torch.int64)
@@ -67,7 +73,9 @@ def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torc
         if scratch is None:
             mask = magnitudes >= threshold
         else:
-            mask = torch.ge(magnitudes, threshold, out=scratch.get("mask", n, torch.bool, flat.device))
+            mask = torch.ge(
+                magnitudes, threshold, out=scratch.get("mask", n, torch.bool, flat.device)
+            )
         if PREFILTER_MARGIN * k <= WORDWISE_MAX_FRACTION * n:
             candidates = sparse_nonzero(mask)
         else:

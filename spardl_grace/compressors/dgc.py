@@ -2,6 +2,7 @@
 random sample, adjusts it (x1.3 / x0.7, up to 10 times) until the selected count is within
 [0.7, 1.3] of the target, and sends the selected [values, indices] (variable size). The
 sample positions come from a per-rank seeded generator, so runs are reproducible."""
+
 import torch
 
 from ..api import Compressor
@@ -12,6 +13,7 @@ from ._sparse import SparseCompressorMixin
 class DgcCompressor(SparseCompressorMixin, Compressor):
     """GRACE's 'dgc': entries above a threshold estimated from a random sample (module
     docstring), sent as [values, indices] of varying size."""
+
     def __init__(self, compress_ratio: float, sample_ratio: float = 0.01, seed: int = 0):
         super().__init__(tensors_size_are_same=False)
         self.compress_ratio = compress_ratio

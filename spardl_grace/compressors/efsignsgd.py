@@ -2,6 +2,7 @@
 mean(|x|) * sign(x). Pair it with memory 'efsignsgd', which feeds lr * g plus the residual,
 so the aggregate is divided by lr. GRACE sums over workers here; we average (average=True) so
 the step size does not grow with the number of workers."""
+
 import torch
 
 from ..api import Compressor
@@ -9,6 +10,7 @@ from ..api import Compressor
 
 class EFSignSGDCompressor(Compressor):
     """GRACE's 'efsignsgd': sign bits and the mean magnitude; pair with memory 'efsignsgd'."""
+
     def __init__(self, lr: float):
         super().__init__(average=True)
         self.learning_rate = lr

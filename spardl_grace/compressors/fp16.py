@@ -1,4 +1,5 @@
 """'fp16': sends floating-point tensors as float16 (half the bytes of fp32)."""
+
 import torch
 
 from ..api import Compressor
@@ -7,6 +8,7 @@ from ..api import Compressor
 class FP16Compressor(Compressor):
     """GRACE's 'fp16': floating-point tensors sent as float16 and restored to their dtype;
     other tensors unchanged."""
+
     def compress(self, tensor, name):
         if tensor.is_floating_point():
             return [tensor.to(torch.float16)], tensor.dtype

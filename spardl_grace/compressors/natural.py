@@ -2,6 +2,7 @@
 two nearest powers of two (unbiased) and sends one uint8 per entry: bit 7 is the sign, bits
 0-6 the exponent + 64, and 0 means zero. Exponents below 2^-63 flush to zero (with the same
 unbiased rule against 2^-63); above 2^63 they saturate. Per-rank seeded randomness."""
+
 import torch
 
 from ..api import Compressor
@@ -15,6 +16,7 @@ _MAX_EXP = 127 - _BIAS
 class NaturalCompressor(Compressor):
     """'natural': unbiased stochastic rounding to powers of two, one byte per entry (module
     docstring)."""
+
     def __init__(self, seed: int = 0):
         super().__init__()
         self.seed = seed
@@ -22,14 +24,14 @@ class NaturalCompressor(Compressor):
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()
         magnitude = flat.abs()
-        mantissa, exponent = torch.frexp(magnitude)       # magnitude = mantissa * 2^exponent
-        low_exp = exponent - 1                              # 2^low_exp <= magnitude < 2^(low_exp+1)
+        mantissa, exponent = torch.frexp(magnitude)  # magnitude = mantissa * 2^exponent
+        low_exp = exponent - 1  # 2^low_exp <= magnitude < 2^(low_exp+1)
         low = torch.ldexp(torch.ones_like(magnitude), low_exp)
         g = generator("cpu", "natural", self.seed, self.rank, name, self.next_step(name))
         rnd = torch.rand(flat.numel(), generator=g).to(flat.device)
-        round_up = rnd < (magnitude - low) / low            # P(up) makes the rounding unbiased
+        round_up = rnd < (magnitude - low) / low  # P(up) makes the rounding unbiased
         exp = low_exp + round_up.to(low_exp.dtype)
-        floor_value = 2.0 ** _MIN_EXP
+        floor_value = 2.0**_MIN_EXP
         keep_tiny = rnd < magnitude / floor_value
         exp = torch.where(exp < _MIN_EXP, torch.full_like(exp, _MIN_EXP), exp)
         zero = (magnitude == 0) | ((low_exp < _MIN_EXP) & ~keep_tiny)

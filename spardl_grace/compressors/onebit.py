@@ -1,5 +1,6 @@
 """'onebit' (1-bit SGD): sends one uint8 per entry (x < 0) plus the mean of the negative and of
 the non-negative entries; decompression puts each entry at the mean of its side."""
+
 import torch
 
 from ..api import Compressor
@@ -7,6 +8,7 @@ from ..api import Compressor
 
 class OneBitCompressor(Compressor):
     """GRACE's 'onebit': one bit per entry and the mean of each side (module docstring)."""
+
     def compress(self, tensor, name):
         flat = tensor.reshape(-1)
         negative = flat < 0

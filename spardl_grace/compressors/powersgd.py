@@ -5,6 +5,7 @@ and memory 'powersgd' (error feedback). 1-D tensors are sent uncompressed. The f
 drawn from a generator shared by every rank, so all ranks start from the same subspace
 (GRACE re-draws it from the unseeded global RNG every step). As in the paper, the error kept by
 memory 'powersgd' is against this worker's own approximation P Q_local^T."""
+
 import torch
 
 from ..api import Compressor
@@ -19,6 +20,7 @@ def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
 class PowerSGDCompressor(Compressor):
     """GRACE's 'powersgd': a rank-`rank` approximation by one warm-started power iteration
     (module docstring); needs communicator 'allreduce' and memory 'powersgd'."""
+
     def __init__(self, rank: int = 1, seed: int = 0):
         super().__init__()
         if rank < 1:

@@ -1,6 +1,7 @@
 """'randomk': sends k = max(1, compress_ratio * numel) values at positions drawn from a generator
 seeded by (name, step) and shared by every rank, so only values travel and ranks agree on the
 positions without exchanging them (all-reduce compatible). Never touches the global RNG."""
+
 import torch
 
 from ..api import Compressor
@@ -11,6 +12,7 @@ from ._sparse import count_for_ratio, desparsify
 class RandomKCompressor(Compressor):
     """GRACE's 'randomk': values at k positions shared by every rank through a seeded
     generator, so only the values travel."""
+
     def __init__(self, compress_ratio: float, seed: int = 0):
         super().__init__()
         self.compress_ratio = compress_ratio

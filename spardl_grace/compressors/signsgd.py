@@ -1,5 +1,6 @@
 """'signsgd': sends one uint8 per entry (x >= 0); the aggregate is the majority vote, not an
 average (average=False)."""
+
 import torch
 
 from ..api import Compressor
@@ -15,6 +16,7 @@ def majority_vote(tensors):
 
 class SignSGDCompressor(Compressor):
     """GRACE's 'signsgd': one uint8 sign per entry, aggregated by majority vote (not averaged)."""
+
     def __init__(self):
         super().__init__(average=False)
 

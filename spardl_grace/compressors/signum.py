@@ -1,11 +1,13 @@
 """'signum': signSGD on a momentum m <- (1 - momentum) g + momentum m kept per name; sends the
 sign of m as uint8, aggregates by majority vote (average=False)."""
+
 from ..api import Compressor
 from .signsgd import SignSGDCompressor, majority_vote
 
 
 class SignumCompressor(SignSGDCompressor):
     """GRACE's 'signum': the sign of a per-name momentum, aggregated by majority vote."""
+
     def __init__(self, momentum: float):
         super().__init__()
         self.momentum = momentum

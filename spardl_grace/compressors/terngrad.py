@@ -1,6 +1,7 @@
 """'terngrad': clips to 2.5 standard deviations, then sends a ternary {-1, 0, 1} int8 tensor and
 one scale s = max|x|; each entry is +-s with probability |x| / s (unbiased after clipping).
 Per-rank seeded randomness."""
+
 import torch
 
 from ..api import Compressor
@@ -9,6 +10,7 @@ from ..utils.seeding import generator
 
 class TernGradCompressor(Compressor):
     """GRACE's 'terngrad': unbiased ternary quantisation after clipping (module docstring)."""
+
     def __init__(self, seed: int = 0):
         super().__init__()
         self.seed = seed

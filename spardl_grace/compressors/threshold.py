@@ -1,4 +1,5 @@
 """'threshold': sends every entry with |x| > threshold as [values, indices] (variable size)."""
+
 import torch
 
 from ..api import Compressor
@@ -8,6 +9,7 @@ from ._sparse import SparseCompressorMixin
 class ThresholdCompressor(SparseCompressorMixin, Compressor):
     """GRACE's 'threshold': every entry with |x| > threshold, sent as [values, indices] of
     varying size."""
+
     def __init__(self, threshold: float):
         super().__init__(tensors_size_are_same=False)
         self.threshold = threshold

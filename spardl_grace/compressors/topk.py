@@ -1,5 +1,6 @@
 """'topk': sends the k = max(1, compress_ratio * numel) entries of largest magnitude as
 [values, int64 indices] (exact top-k, GRACE's wire format)."""
+
 from ..api import Compressor
 from ._sparse import SparseCompressorMixin, count_for_ratio, topk_abs
 
@@ -7,6 +8,7 @@ from ._sparse import SparseCompressorMixin, count_for_ratio, topk_abs
 class TopKCompressor(SparseCompressorMixin, Compressor):
     """GRACE's 'topk': the compress_ratio fraction of entries largest in magnitude, sent as
     [values, int64 indices] (the same size on every rank)."""
+
     def __init__(self, compress_ratio: float):
         super().__init__()
         self.compress_ratio = compress_ratio

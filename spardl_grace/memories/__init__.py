@@ -1,9 +1,16 @@
 """GRACE's memories (error feedback) plus 'global_residual' for the sparse all-reduces."""
-from .none import NoneMemory
-from .residual import GlobalResidualMemory, ResidualMemory
+
 from .dgc import DgcMemory
 from .efsignsgd import EFSignSGDMemory
+from .none import NoneMemory
 from .powersgd import PowerSGDMemory
+from .residual import GlobalResidualMemory, ResidualMemory
 
-__all__ = ["NoneMemory", "ResidualMemory", "GlobalResidualMemory", "DgcMemory", "EFSignSGDMemory",
-           "PowerSGDMemory"]
+__all__ = [
+    "DgcMemory",
+    "EFSignSGDMemory",
+    "GlobalResidualMemory",
+    "NoneMemory",
+    "PowerSGDMemory",
+    "ResidualMemory",
+]

@@ -2,6 +2,7 @@
 u <- momentum * u + g and an accumulation v <- v + u per name, compresses v, and zeroes both at
 the sent positions. With gradient_clipping, g is first clipped to the square root of the mean
 over workers of ||g||^2 (one all-reduce of a scalar), as GRACE does."""
+
 import torch
 
 from ..api import Memory
@@ -9,6 +10,7 @@ from ..api import Memory
 
 class DgcMemory(Memory):
     """GRACE's 'dgc' memory: momentum correction and momentum factor masking (module docstring)."""
+
     def __init__(self, momentum: float, gradient_clipping: bool):
         super().__init__()
         self.momentum = momentum

@@ -1,9 +1,11 @@
 """'none': no error feedback; whatever compression drops is lost."""
+
 from ..api import Memory
 
 
 class NoneMemory(Memory):
     """GRACE's 'none' memory: remembers nothing."""
+
     def compensate(self, tensor, name):
         return tensor
 

@@ -22,6 +22,7 @@ are options of this memory:
   enters the velocity, so the sum over P workers is bounded by about c, as a clip of the
   averaged gradient to c would bound it.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,14 @@ class ResidualMemory(Memory):
     """GRACE's 'residual' memory: A = beta * R + gamma * g, R' = A - what was sent; with
     momentum_correction and local_clip_norm, DGC's techniques for the sparse all-reduces
     (module docstring)."""
-    def __init__(self, beta: float = 1.0, gamma: float = 1.0, momentum_correction: float = 0.0,
-                 local_clip_norm: float | None = None):
+
+    def __init__(
+        self,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        momentum_correction: float = 0.0,
+        local_clip_norm: float | None = None,
+    ):
         super().__init__()
         self.beta = beta
         self.gamma = gamma
@@ -54,8 +61,9 @@ class ResidualMemory(Memory):
     def compensate_into(self, tensor, name, out):
         return self._compensate(tensor, name, out)
 
-    def _compensate(self, tensor: torch.Tensor, name: str,
-                    out: torch.Tensor | None) -> torch.Tensor:
+    def _compensate(
+        self, tensor: torch.Tensor, name: str, out: torch.Tensor | None
+    ) -> torch.Tensor:
         tensor = tensor.to(communication_dtype(tensor.dtype))
         if self.local_clip_norm is not None:
             tensor = self._clip(tensor)
@@ -73,8 +81,9 @@ class ResidualMemory(Memory):
             dtype = torch.result_type(residual, tensor)
             if out is None or out.dtype != dtype:
                 # A buffer released by an earlier step: no gradient-sized allocation.
-                out = self._pool.take(f"compensated.{name}", tensor.numel(), dtype,
-                                      tensor.device).view(tensor.shape)
+                out = self._pool.take(
+                    f"compensated.{name}", tensor.numel(), dtype, tensor.device
+                ).view(tensor.shape)
             return torch.add(residual, tensor, out=out)  # one pass instead of three
         else:
             self._check_shape("residual", name, residual, tensor)
@@ -86,8 +95,10 @@ class ResidualMemory(Memory):
     @staticmethod
     def _check_shape(what: str, name: str, kept: torch.Tensor, tensor: torch.Tensor) -> None:
         if kept.shape != tensor.shape:
-            raise ValueError(f"{what} for '{name}' has shape {tuple(kept.shape)}, the gradient "
-                             f"{tuple(tensor.shape)}: one name must always carry the same tensor")
+            raise ValueError(
+                f"{what} for '{name}' has shape {tuple(kept.shape)}, the gradient "
+                f"{tuple(tensor.shape)}: one name must always carry the same tensor"
+            )
 
     def _clip(self, tensor: torch.Tensor) -> torch.Tensor:
         size = self.transport.size if self.transport is not None else 1
@@ -104,8 +115,10 @@ class ResidualMemory(Memory):
         velocity = self._new_velocity.pop(name, None)
         if velocity is not None:
             if result is None:
-                raise ValueError("momentum correction masks the velocity where the result was "
-                                 "applied: store_residual needs the result")
+                raise ValueError(
+                    "momentum correction masks the velocity where the result was "
+                    "applied: store_residual needs the result"
+                )
             self.velocities[name] = velocity.masked_fill(result != 0, 0)
 
     def stores(self):
@@ -122,7 +135,10 @@ class ResidualMemory(Memory):
 class GlobalResidualMemory(ResidualMemory):
     """'global_residual': the residual store of the sparse all-reduces, fed after
     communication with what the all-reduce left (SparDL's Global Residual Collection)."""
+
     def update(self, tensor, name, compressor, tensor_compressed, ctx):
-        raise ValueError("memory 'global_residual' collects residuals after communication and works "
-                         "with the sparse all-reduce communicators (spardl, topka, topkdsa, gtopk, "
-                         "oktopk); use memory 'residual' with communicator allgather/allreduce")
+        raise ValueError(
+            "memory 'global_residual' collects residuals after communication and works "
+            "with the sparse all-reduce communicators (spardl, topka, topkdsa, gtopk, "
+            "oktopk); use memory 'residual' with communicator allgather/allreduce"
+        )

@@ -1,8 +1,9 @@
 """Transports: how ranks exchange tensors. Algorithms use only the Transport interface.
 
-    from spardl_grace.transport import default_transport
-    transport = default_transport()   # Horovod if initialised, else torch.distributed, else MPI
+from spardl_grace.transport import default_transport
+transport = default_transport()   # Horovod if initialised, else torch.distributed, else MPI
 """
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,18 @@ from .base import DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout
 from .counting import CountingTransport, Message
 from .local import LocalTransport, PeerFailure, run_local
 
-__all__ = ["Transport", "TransportError", "TransportTimeout", "PeerFailure", "LocalTransport",
-           "run_local", "CountingTransport", "Message", "default_transport", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "CountingTransport",
+    "LocalTransport",
+    "Message",
+    "PeerFailure",
+    "Transport",
+    "TransportError",
+    "TransportTimeout",
+    "default_transport",
+    "run_local",
+]
 
 
 def _horovod_initialised() -> bool:
@@ -35,15 +46,20 @@ def default_transport(timeout: float = DEFAULT_TIMEOUT_S) -> Transport:
     start one when none is active."""
     if _horovod_initialised():
         from .horovod import HorovodTransport
+
         return HorovodTransport(timeout=timeout)
     import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         from .torch_dist import TorchDistTransport
+
         return TorchDistTransport(timeout=timeout)
     if _under_mpirun():
         from .mpi import MPITransport
+
         return MPITransport(timeout=timeout)
     raise TransportError(
         "no communication backend is active. Start one of: horovod.torch.init() under horovodrun; "
         "torch.distributed.init_process_group('gloo' or 'nccl') under torchrun; mpirun (mpi4py); "
-        "or pass transport=... explicitly (spardl_grace.transport.run_local for threads).")
+        "or pass transport=... explicitly (spardl_grace.transport.run_local for threads)."
+    )

@@ -8,13 +8,14 @@ Variable-size operations take and return 1-D tensors; the receiver learns sizes 
 transport, never from the caller. Received tensors have the sender's dtype and live on the
 device of the tensor the caller passed in.
 """
+
 from __future__ import annotations
 
 import atexit
 import os
 import sys
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,8 +46,9 @@ class Transport(ABC):
     thread_safe: bool = True
 
     @abstractmethod
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
-                 recv_numel: int | None = None) -> torch.Tensor:
+    def sendrecv(
+        self, tensor: torch.Tensor, dst: int, src: int, name: str, recv_numel: int | None = None
+    ) -> torch.Tensor:
         """Send the 1-D `tensor` to rank `dst` and return the 1-D tensor rank `src` sent us.
 
         Every rank calls sendrecv in the same step. Without `recv_numel` the receiver does not
@@ -82,7 +84,9 @@ class Transport(ABC):
 
     def _check_alltoall(self, tensors: Sequence[torch.Tensor]) -> None:
         if len(tensors) != self.size:
-            raise TransportError(f"alltoall needs one tensor per rank ({self.size}), got {len(tensors)}")
+            raise TransportError(
+                f"alltoall needs one tensor per rank ({self.size}), got {len(tensors)}"
+            )
         for t in tensors:
             _check_1d(t, "alltoall")
 
@@ -90,8 +94,10 @@ class Transport(ABC):
 def check_received(received_numel: int, expected: int | None, name: str, rank: int) -> None:
     """TransportError when a message announced as `expected` entries has another size."""
     if expected is not None and received_numel != expected:
-        raise TransportError(f"rank {rank}: '{name}' expected {expected} entries from its source, "
-                             f"received {received_numel}: the ranks disagree on the message size")
+        raise TransportError(
+            f"rank {rank}: '{name}' expected {expected} entries from its source, "
+            f"received {received_numel}: the ranks disagree on the message size"
+        )
 
 
 def _check_1d(tensor: torch.Tensor, op: str) -> None:
@@ -139,6 +145,7 @@ def fail_job_at_exit(backend: str, end: Callable[[], None]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         end()
+
     atexit.register(flush_and_end)
 
 

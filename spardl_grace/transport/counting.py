@@ -9,11 +9,12 @@ the per-rank volume of their bandwidth-optimal algorithm, which is what the cost
 The `phase` of a message is its name up to the first '.', so algorithms group their messages
 by naming them 'phase.detail'.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -24,9 +25,10 @@ from .base import Transport
 class Message:
     """One recorded message or collective: its op, its name (the phase is the part before
     the first dot), the peer, and the bytes this rank sent and received."""
+
     op: str
     name: str
-    peer: int          # the other rank; -1 for a collective recorded as a volume
+    peer: int  # the other rank; -1 for a collective recorded as a volume
     bytes_sent: int
     bytes_received: int
 
@@ -79,8 +81,9 @@ class CountingTransport(Transport):
     def _record(self, op: str, name: str, peer: int, sent: int, received: int) -> None:
         self.messages.append(Message(op, name, peer, sent, received))
 
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
-                 recv_numel: int | None = None) -> torch.Tensor:
+    def sendrecv(
+        self, tensor: torch.Tensor, dst: int, src: int, name: str, recv_numel: int | None = None
+    ) -> torch.Tensor:
         got = self.inner.sendrecv(tensor, dst, src, name, recv_numel)
         # A size the receiver does not know travels first (torch.distributed, MPI).
         self.round_trips += 1 if recv_numel is not None else 2

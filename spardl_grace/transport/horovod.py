@@ -6,15 +6,26 @@ the caller's name, since Horovod matches ops across ranks by name. Payloads trav
 bytes (uint8), so every dtype works; allreduce runs in the tensor's dtype, or fp32 for the
 half-precision types.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
-                   as_bytes, check_received, exit_with_failure, fail_job_at_exit, from_bytes)
+from .base import (
+    DEFAULT_TIMEOUT_S,
+    Transport,
+    TransportError,
+    TransportTimeout,
+    _check_1d,
+    as_bytes,
+    check_received,
+    exit_with_failure,
+    fail_job_at_exit,
+    from_bytes,
+)
 
 
 class HorovodTransport(Transport):
@@ -24,8 +35,9 @@ class HorovodTransport(Transport):
         import horovod.torch as hvd
 
         if not hvd.is_initialized():
-            raise TransportError("Horovod is not initialised: call horovod.torch.init() "
-                                 "(under horovodrun) first")
+            raise TransportError(
+                "Horovod is not initialised: call horovod.torch.init() (under horovodrun) first"
+            )
         self._hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
@@ -42,8 +54,10 @@ class HorovodTransport(Transport):
                 # Horovod's shutdown would wait out its own timeout for the peer; horovodrun
                 # ends the other ranks once this one exits with a failure.
                 fail_job_at_exit("horovod", exit_with_failure)
-                raise TransportTimeout(f"rank {self.rank}: Horovod op '{name}' did not complete "
-                                       f"within {self.timeout:.1f}s (a peer may have died)")
+                raise TransportTimeout(
+                    f"rank {self.rank}: Horovod op '{name}' did not complete "
+                    f"within {self.timeout:.1f}s (a peer may have died)"
+                )
             time.sleep(0.0002)
         try:
             return self._hvd.synchronize(handle)
@@ -53,15 +67,18 @@ class HorovodTransport(Transport):
     def _alltoall_bytes(self, parts: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
         data = [as_bytes(p.detach().cpu()) for p in parts]
         splits = torch.tensor([d.numel() for d in data], dtype=torch.int32)
-        handle = self._hvd.alltoall_async(torch.cat(data), splits=splits, name=self._name(name, "a2a"))
+        handle = self._hvd.alltoall_async(
+            torch.cat(data), splits=splits, name=self._name(name, "a2a")
+        )
         out = self._sync(handle, name)
         received, recv_splits = out if isinstance(out, tuple) else (out, None)
         if recv_splits is None:
             raise TransportError("this Horovod does not return received splits from alltoall")
         return list(torch.split(received, recv_splits.tolist()))
 
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
-                 recv_numel: int | None = None) -> torch.Tensor:
+    def sendrecv(
+        self, tensor: torch.Tensor, dst: int, src: int, name: str, recv_numel: int | None = None
+    ) -> torch.Tensor:
         _check_1d(tensor, "sendrecv")
         self._check_peer(dst, "destination")
         self._check_peer(src, "source")
@@ -75,11 +92,17 @@ class HorovodTransport(Transport):
     def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
         _check_1d(tensor, "allgather")
         data = as_bytes(tensor.detach().cpu())
-        sizes = self._sync(self._hvd.allgather_async(torch.tensor([data.numel()], dtype=torch.int64),
-                                                     name=self._name(name, "sizes")), name)
+        sizes = self._sync(
+            self._hvd.allgather_async(
+                torch.tensor([data.numel()], dtype=torch.int64), name=self._name(name, "sizes")
+            ),
+            name,
+        )
         gathered = self._sync(self._hvd.allgather_async(data, name=self._name(name, "data")), name)
-        return [from_bytes(p, tensor.dtype).to(tensor.device)
-                for p in torch.split(gathered, sizes.tolist())]
+        return [
+            from_bytes(p, tensor.dtype).to(tensor.device)
+            for p in torch.split(gathered, sizes.tolist())
+        ]
 
     def alltoall(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
         self._check_alltoall(tensors)
@@ -90,14 +113,18 @@ class HorovodTransport(Transport):
         work = tensor.detach().cpu().contiguous()
         if work.dtype in (torch.float16, torch.bfloat16):
             work = work.float()
-        out = self._sync(self._hvd.allreduce_async(work, op=self._hvd.Sum,
-                                                   name=self._name(name, "allreduce")), name)
+        out = self._sync(
+            self._hvd.allreduce_async(work, op=self._hvd.Sum, name=self._name(name, "allreduce")),
+            name,
+        )
         return out.to(dtype=tensor.dtype, device=tensor.device)
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         self._check_peer(root, "root")
         data = as_bytes(tensor.detach().cpu()).clone()
-        out = self._sync(self._hvd.broadcast_async(data, root, name=self._name(name, "bcast")), name)
+        out = self._sync(
+            self._hvd.broadcast_async(data, root, name=self._name(name, "bcast")), name
+        )
         return from_bytes(out, tensor.dtype).view(tensor.shape).to(tensor.device)
 
     def barrier(self, name: str = "barrier") -> None:

@@ -5,17 +5,25 @@ receiver that finds a different name raises, so an algorithm whose ranks disagre
 sequence of operations fails loudly instead of silently mixing data. When any rank fails,
 the others stop waiting at once with PeerFailure.
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
-                   check_received)
+from .base import (
+    DEFAULT_TIMEOUT_S,
+    Transport,
+    TransportError,
+    TransportTimeout,
+    _check_1d,
+    check_received,
+)
 
 _POLL_S = 0.02
 
@@ -42,7 +50,7 @@ class LocalTransport(Transport):
         self.timeout = world.timeout
 
     @staticmethod
-    def world(size: int, timeout: float = DEFAULT_TIMEOUT_S) -> list["LocalTransport"]:
+    def world(size: int, timeout: float = DEFAULT_TIMEOUT_S) -> list[LocalTransport]:
         """`size` connected transports, one per rank, for threads of one process; operations
         raise TransportTimeout after `timeout` seconds without their peers."""
         if size < 1:
@@ -66,15 +74,18 @@ class LocalTransport(Transport):
                 if time.monotonic() > deadline:
                     raise TransportTimeout(
                         f"rank {self.rank}: no message from rank {src} for '{name}' "
-                        f"within {self.timeout:.1f}s")
+                        f"within {self.timeout:.1f}s"
+                    )
         if got_name != name:
             raise TransportError(
                 f"rank {self.rank}: expected '{name}' from rank {src}, got '{got_name}' "
-                "(ranks are running different sequences of operations)")
+                "(ranks are running different sequences of operations)"
+            )
         return tensor.to(like.device)
 
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
-                 recv_numel: int | None = None) -> torch.Tensor:
+    def sendrecv(
+        self, tensor: torch.Tensor, dst: int, src: int, name: str, recv_numel: int | None = None
+    ) -> torch.Tensor:
         _check_1d(tensor, "sendrecv")
         self._check_peer(dst, "destination")
         self._check_peer(src, "source")
@@ -88,16 +99,22 @@ class LocalTransport(Transport):
         for peer in range(self.size):
             if peer != self.rank:
                 self._send(peer, name, tensor)
-        return [tensor.detach().clone() if peer == self.rank else self._recv(peer, name, tensor)
-                for peer in range(self.size)]
+        return [
+            tensor.detach().clone() if peer == self.rank else self._recv(peer, name, tensor)
+            for peer in range(self.size)
+        ]
 
     def alltoall(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
         self._check_alltoall(tensors)
         for peer, t in enumerate(tensors):
             if peer != self.rank:
                 self._send(peer, name, t)
-        return [tensors[peer].detach().clone() if peer == self.rank
-                else self._recv(peer, name, tensors[peer]) for peer in range(self.size)]
+        return [
+            tensors[peer].detach().clone()
+            if peer == self.rank
+            else self._recv(peer, name, tensors[peer])
+            for peer in range(self.size)
+        ]
 
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         flat = tensor.reshape(-1)
@@ -116,16 +133,23 @@ class LocalTransport(Transport):
             return tensor.detach().clone()
         got = self._recv(root, name, tensor)
         if got.shape != tensor.shape:
-            raise TransportError(f"broadcast '{name}': root sent shape {tuple(got.shape)}, "
-                                 f"rank {self.rank} expected {tuple(tensor.shape)}")
+            raise TransportError(
+                f"broadcast '{name}': root sent shape {tuple(got.shape)}, "
+                f"rank {self.rank} expected {tuple(tensor.shape)}"
+            )
         return got
 
     def barrier(self, name: str = "barrier") -> None:
         self.allgather(torch.zeros(0), name)
 
 
-def run_local(world_size: int, fn: Callable[..., Any], *args: Any,
-              timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+def run_local(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> list[Any]:
     """Run fn(transport, *args, **kwargs) on `world_size` ranks (threads); return per-rank results.
 
     If any rank raises, the others are released (PeerFailure) and the first original
@@ -137,12 +161,14 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any,
     def body(rank: int) -> None:
         try:
             results[rank] = fn(transports[rank], *args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:
             errors[rank] = exc
             transports[rank]._world.failed.set()
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"local-rank-{r}", daemon=True)
-               for r in range(world_size)]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"local-rank-{r}", daemon=True)
+        for r in range(world_size)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -4,19 +4,34 @@ Tensors travel as raw bytes in host memory, so every dtype (bfloat16 included) w
 operations are non-blocking MPI requests polled against a deadline: MPI has no timeouts of its
 own, and a peer that died must not leave this rank waiting forever.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
-                   as_bytes, check_received, fail_job_at_exit, from_bytes)
+from .base import (
+    DEFAULT_TIMEOUT_S,
+    Transport,
+    TransportError,
+    TransportTimeout,
+    _check_1d,
+    as_bytes,
+    check_received,
+    fail_job_at_exit,
+    from_bytes,
+)
 
-_REDUCE_DTYPES = {torch.float32: "FLOAT", torch.float64: "DOUBLE", torch.int32: "INT",
-                  torch.int64: "INT64_T", torch.uint8: "UNSIGNED_CHAR"}
+_REDUCE_DTYPES = {
+    torch.float32: "FLOAT",
+    torch.float64: "DOUBLE",
+    torch.int32: "INT",
+    torch.int64: "INT64_T",
+    torch.uint8: "UNSIGNED_CHAR",
+}
 
 
 def _np_bytes(t: torch.Tensor) -> np.ndarray:
@@ -54,11 +69,14 @@ class MPITransport(Transport):
                             r.Cancel()
                         except self._MPI.Exception:
                             pass
-                    raise TransportTimeout(f"rank {self.rank}: '{name}' did not complete within "
-                                           f"{self.timeout:.1f}s (a peer may have died)")
+                    raise TransportTimeout(
+                        f"rank {self.rank}: '{name}' did not complete within "
+                        f"{self.timeout:.1f}s (a peer may have died)"
+                    )
 
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
-                 recv_numel: int | None = None) -> torch.Tensor:
+    def sendrecv(
+        self, tensor: torch.Tensor, dst: int, src: int, name: str, recv_numel: int | None = None
+    ) -> torch.Tensor:
         _check_1d(tensor, "sendrecv")
         self._check_peer(dst, "destination")
         self._check_peer(src, "source")
@@ -66,7 +84,9 @@ class MPITransport(Transport):
         if recv_numel is None:
             n_out = np.array([out.size], dtype=np.int64)
             n_in = np.empty(1, dtype=np.int64)
-            self._wait([self.comm.Isend(n_out, dst, tag=1), self.comm.Irecv(n_in, src, tag=1)], name)
+            self._wait(
+                [self.comm.Isend(n_out, dst, tag=1), self.comm.Irecv(n_in, src, tag=1)], name
+            )
             nbytes = int(n_in[0])
         else:
             nbytes = recv_numel * tensor.element_size()
@@ -74,12 +94,17 @@ class MPITransport(Transport):
         # (MPI would otherwise fail it as truncated, or leave a shorter one's tail unwritten).
         received = np.empty(nbytes + 1, dtype=np.uint8)
         statuses = [self._MPI.Status(), self._MPI.Status()]
-        self._wait([self.comm.Isend(out, dst, tag=2), self.comm.Irecv(received, src, tag=2)], name,
-                   statuses)
+        self._wait(
+            [self.comm.Isend(out, dst, tag=2), self.comm.Irecv(received, src, tag=2)],
+            name,
+            statuses,
+        )
         got = statuses[1].Get_count(self._MPI.BYTE)
         if got > nbytes:
-            raise TransportError(f"rank {self.rank}: '{name}' expected {recv_numel} entries from "
-                                 "its source and received more: the ranks disagree on the size")
+            raise TransportError(
+                f"rank {self.rank}: '{name}' expected {recv_numel} entries from "
+                "its source and received more: the ranks disagree on the size"
+            )
         check_received(got // max(tensor.element_size(), 1), recv_numel, name, self.rank)
         return self._to_tensor(received[:got], tensor)
 
@@ -95,7 +120,7 @@ class MPITransport(Transport):
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         received = np.empty(int(sizes.sum()), dtype=np.uint8)
         self._wait([self.comm.Iallgatherv(out, [received, sizes, displs, self._MPI.BYTE])], name)
-        return [self._to_tensor(received[d:d + s], tensor) for d, s in zip(displs, sizes)]
+        return [self._to_tensor(received[d : d + s], tensor) for d, s in zip(displs, sizes)]
 
     def alltoall(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
         self._check_alltoall(tensors)
@@ -107,10 +132,19 @@ class MPITransport(Transport):
         send_displs = np.concatenate([[0], np.cumsum(send_sizes)[:-1]])
         recv_displs = np.concatenate([[0], np.cumsum(recv_sizes)[:-1]])
         received = np.empty(int(recv_sizes.sum()), dtype=np.uint8)
-        self._wait([self.comm.Ialltoallv([send, send_sizes, send_displs, self._MPI.BYTE],
-                                         [received, recv_sizes, recv_displs, self._MPI.BYTE])], name)
-        return [self._to_tensor(received[d:d + s], tensors[j])
-                for j, (d, s) in enumerate(zip(recv_displs, recv_sizes))]
+        self._wait(
+            [
+                self.comm.Ialltoallv(
+                    [send, send_sizes, send_displs, self._MPI.BYTE],
+                    [received, recv_sizes, recv_displs, self._MPI.BYTE],
+                )
+            ],
+            name,
+        )
+        return [
+            self._to_tensor(received[d : d + s], tensors[j])
+            for j, (d, s) in enumerate(zip(recv_displs, recv_sizes))
+        ]
 
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         # Half-precision types have no MPI reduction: reduce in fp32 and round once at the end.

@@ -5,18 +5,27 @@ once per message and the result is returned on the caller's device. Sizes of var
 messages travel first as one int64, so the receiver never needs to know them in advance;
 a sendrecv whose caller knows the size (recv_numel) skips that round trip.
 """
+
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .base import (DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout, _check_1d,
-                   as_bytes, check_received, from_bytes)
+from .base import (
+    DEFAULT_TIMEOUT_S,
+    Transport,
+    TransportError,
+    TransportTimeout,
+    _check_1d,
+    as_bytes,
+    check_received,
+    from_bytes,
+)
 
 
 class TorchDistTransport(Transport):
@@ -27,16 +36,21 @@ class TorchDistTransport(Transport):
 
     def __init__(self, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S):
         if not dist.is_available() or not dist.is_initialized():
-            raise TransportError("torch.distributed is not initialised: call "
-                                 "torch.distributed.init_process_group (e.g. under torchrun) first")
+            raise TransportError(
+                "torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group (e.g. under torchrun) first"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.timeout = timeout
         backend = dist.get_backend(group)
         self.backend = backend
-        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
             else torch.device("cpu")
+        )
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -56,8 +70,9 @@ class TorchDistTransport(Transport):
     def _on_comm(self, t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().to(self._device)
 
-    def sendrecv(self, tensor: torch.Tensor, dst: int, src: int, name: str,
-                 recv_numel: int | None = None) -> torch.Tensor:
+    def sendrecv(
+        self, tensor: torch.Tensor, dst: int, src: int, name: str, recv_numel: int | None = None
+    ) -> torch.Tensor:
         _check_1d(tensor, "sendrecv")
         self._check_peer(dst, "destination")
         self._check_peer(src, "source")
@@ -79,8 +94,9 @@ class TorchDistTransport(Transport):
         self._p2p(ops, name)
         return received.to(tensor.device)
 
-    def _sendrecv_known(self, out: torch.Tensor, dst: int, src: int, name: str,
-                        recv_numel: int) -> torch.Tensor:
+    def _sendrecv_known(
+        self, out: torch.Tensor, dst: int, src: int, name: str, recv_numel: int
+    ) -> torch.Tensor:
         """One round trip: the message carries its own entry count in an 8-byte header. Gloo
         accepts a shorter message into a longer buffer without a word, so the header is what
         turns a disagreement into TransportError; a longer message makes gloo abort the
@@ -88,10 +104,13 @@ class TorchDistTransport(Transport):
         then fail with TransportError."""
         header = as_bytes(torch.tensor([out.numel()], dtype=torch.int64, device=self._device))
         message = torch.cat([header, as_bytes(out)])
-        buffer = torch.empty(8 + recv_numel * out.element_size(), dtype=torch.uint8,
-                             device=self._device)
+        buffer = torch.empty(
+            8 + recv_numel * out.element_size(), dtype=torch.uint8, device=self._device
+        )
         self._p2p([(dist.isend, message, dst), (dist.irecv, buffer, src)], name)
-        check_received(int(from_bytes(buffer[:8].cpu(), torch.int64)[0]), recv_numel, name, self.rank)
+        check_received(
+            int(from_bytes(buffer[:8].cpu(), torch.int64)[0]), recv_numel, name, self.rank
+        )
         return from_bytes(buffer[8:], out.dtype)
 
     def _p2p(self, ops, name: str) -> None:
@@ -103,7 +122,9 @@ class TorchDistTransport(Transport):
     def _allgather_sizes(self, n: int, name: str) -> list[int]:
         mine = torch.tensor([n], dtype=torch.int64, device=self._device)
         sizes = [torch.empty_like(mine) for _ in range(self.size)]
-        self._complete(lambda: [dist.all_gather(sizes, mine, group=self.group, async_op=True)], name)
+        self._complete(
+            lambda: [dist.all_gather(sizes, mine, group=self.group, async_op=True)], name
+        )
         return [int(s.item()) for s in sizes]
 
     def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
@@ -114,27 +135,41 @@ class TorchDistTransport(Transport):
         padded[: tensor.numel()] = self._on_comm(tensor)
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         if longest:
-            self._complete(lambda: [dist.all_gather(parts, padded, group=self.group,
-                                                    async_op=True)], name)
+            self._complete(
+                lambda: [dist.all_gather(parts, padded, group=self.group, async_op=True)], name
+            )
         return [p[:s].to(tensor.device) for p, s in zip(parts, sizes)]
 
     def alltoall(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
         self._check_alltoall(tensors)
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
-            raise TransportError(f"alltoall '{name}' needs one dtype, got {sorted(map(str, dtypes))}")
-        send_sizes = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=self._device)
+            raise TransportError(
+                f"alltoall '{name}' needs one dtype, got {sorted(map(str, dtypes))}"
+            )
+        send_sizes = torch.tensor(
+            [t.numel() for t in tensors], dtype=torch.int64, device=self._device
+        )
         recv_sizes = torch.empty_like(send_sizes)
-        self._complete(lambda: [dist.all_to_all_single(recv_sizes, send_sizes, group=self.group,
-                                                       async_op=True)], name)
+        self._complete(
+            lambda: [
+                dist.all_to_all_single(recv_sizes, send_sizes, group=self.group, async_op=True)
+            ],
+            name,
+        )
         send = torch.cat([self._on_comm(t) for t in tensors])
         in_splits = recv_sizes.tolist()
         out_splits = send_sizes.tolist()
         received = torch.empty(sum(in_splits), dtype=send.dtype, device=self._device)
         if send.numel() or received.numel():
-            self._complete(lambda: [dist.all_to_all_single(received, send, in_splits, out_splits,
-                                                           group=self.group, async_op=True)],
-                           name)
+            self._complete(
+                lambda: [
+                    dist.all_to_all_single(
+                        received, send, in_splits, out_splits, group=self.group, async_op=True
+                    )
+                ],
+                name,
+            )
         return [p.to(tensors[0].device) for p in torch.split(received, in_splits)]
 
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -145,8 +180,9 @@ class TorchDistTransport(Transport):
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         self._check_peer(root, "root")
         out = self._on_comm(tensor).clone()
-        self._complete(lambda: [dist.broadcast(out, self._global(root), group=self.group,
-                                               async_op=True)], name)
+        self._complete(
+            lambda: [dist.broadcast(out, self._global(root), group=self.group, async_op=True)], name
+        )
         return out.to(tensor.device)
 
     def barrier(self, name: str = "barrier") -> None:

@@ -1,6 +1,7 @@
 """Bit packing of non-negative integers at a fixed or a per-value width, vectorised (no loop
 over elements), and the small int32 headers of codec sections. Bits are little-endian: bit t of
 the stream is bit t % 8 of byte t // 8, and a value's bits go least significant first."""
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,7 @@ def width_for(max_value: int) -> int:
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """A stream of 0/1 values as ceil(len/8) uint8, zero-padded."""
     padded = torch.zeros(math.ceil(bits.numel() / 8) * 8, dtype=torch.int64, device=bits.device)
-    padded[:bits.numel()] = bits
+    padded[: bits.numel()] = bits
     weights = 1 << torch.arange(8, device=bits.device, dtype=torch.int64)
     return (padded.view(-1, 8) * weights).sum(dim=1).to(torch.uint8)
 
@@ -92,4 +93,4 @@ def read_u32s(section: torch.Tensor, n: int) -> list[int]:
     """The first n int32 header integers of a section; ValueError if it is shorter."""
     if section.numel() < 4 * n:
         raise ValueError("codec section shorter than its header")
-    return from_bytes(section[:4 * n].cpu().clone(), torch.int32).tolist()
+    return from_bytes(section[: 4 * n].cpu().clone(), torch.int32).tolist()

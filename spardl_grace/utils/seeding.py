@@ -3,6 +3,7 @@
 Python's hash() is salted per process, so it can never seed anything that ranks must agree on;
 these seeds come from a cryptographic hash of the parts instead.
 """
+
 from __future__ import annotations
 
 import hashlib
