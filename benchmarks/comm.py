@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import signal
 import statistics
 import sys
@@ -42,8 +41,9 @@ from typing import Any
 
 from benchmarks import costmodel
 from benchmarks.comm_worker import HOROVOD, POWERSGD_START, TORCH_HOOKS
-from benchmarks.launch import launch_env
+from benchmarks.launch import launch_env, launcher_command
 from benchmarks.netem import EmulatedNetwork, rank_env, rate_bits_per_s, run_all
+from spardl_grace.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("gloo", "mpi", "horovod")
@@ -128,16 +128,10 @@ def launch(args: argparse.Namespace, config: Path, net: EmulatedNetwork | None) 
     """Run the workers to completion; raises RuntimeError with their output if one fails."""
     worker = [sys.executable, "-m", "benchmarks.comm_worker", str(config)]
     env = launch_env()
-    if args.backend == "mpi":
-        cmds = [["mpirun", "-np", str(args.workers), *worker]]
-        envs = [env]
-    elif args.backend == "horovod":
-        horovodrun = shutil.which("horovodrun", path=env["PATH"]) or "horovodrun"
-        cmds = [[horovodrun, "-np", str(args.workers), "-H", f"localhost:{args.workers}",
-                 "--gloo", *worker]]
+    if args.backend in ("mpi", "horovod"):
+        cmds = [launcher_command(args.backend, args.workers, worker[1:])]
         envs = [env]
     else:
-        from experiments.main_trainer import free_port
         port = free_port()
         cmds = [net.command(rank, worker) if net else worker for rank in range(args.workers)]
         envs = [net.rank_env(rank, port, env) if net else rank_env(rank, args.workers, port, env)

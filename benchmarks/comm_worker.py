@@ -12,15 +12,16 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.costmodel import KINDS, probe_op
-from spardl_grace import CountingTransport, grace_from_params
-from spardl_grace.transport import Transport, default_transport
+from deepreduce_compat import deepreduce_from_params
+from spardl_grace import CountingTransport
+from spardl_grace.launch import join
+from spardl_grace.transport import Transport
 from spardl_grace.transport.counting import Message
 
 STAT_TIMES = ("selection_s", "comm_s", "coding_s")
@@ -37,19 +38,6 @@ def synchronize(device: torch.device) -> None:
     clock read after it times that work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def join(timeout: float) -> Transport:
-    """The transport of whichever launcher started us."""
-    from experiments.main_trainer import launcher
-    kind = launcher()
-    if kind == "horovod":
-        import horovod.torch as hvd
-        hvd.init()
-    elif kind == "torchrun":
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
-    return default_transport(timeout=timeout)
 
 
 def algorithm_params(name: str, density: float, teams: int, codec: dict[str, Any]) -> dict[str, Any]:
@@ -221,8 +209,8 @@ def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
     last step's message trace and statistics; then that trace replayed `repeat` times
     (`replay_s`, communication without the computation between messages)."""
     counting = CountingTransport(transport)
-    grc = grace_from_params(algorithm_params(name, cfg["density"], cfg["teams"], cfg["codec"]),
-                            transport=counting)
+    grc = deepreduce_from_params(algorithm_params(name, cfg["density"], cfg["teams"],
+                                                  cfg["codec"]), transport=counting)
     steps = []
     for i, grad in enumerate(grads):
         counting.reset()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -21,26 +20,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scenarios  # noqa: E402
 
+from spardl_grace.launch import join  # noqa: E402
+
 TIMEOUT_S = float(os.environ.get("SPARDL_TEST_TIMEOUT", "60"))  # tests of stalls shorten it
 
 
-def start_backend(backend: str) -> None:
-    if backend == "gloo":
-        import torch.distributed as dist
-        dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
-    elif backend == "horovod":
-        import horovod.torch as hvd
-        hvd.init()
-    elif backend != "mpi":
-        raise SystemExit(f"unknown backend {backend!r}; valid: gloo, mpi, horovod")
+LAUNCHERS = {"gloo": "torchrun", "mpi": "mpirun", "horovod": "horovod"}
 
 
 def main() -> None:
     backend, scenario, outdir = sys.argv[1:4]
+    if backend not in LAUNCHERS:
+        raise SystemExit(f"unknown backend {backend!r}; valid: {', '.join(LAUNCHERS)}")
     torch.set_num_threads(1)
-    start_backend(backend)
-    from spardl_grace.transport import default_transport
-    transport = default_transport(timeout=TIMEOUT_S)
+    # horovodrun --mpi sets only MPI's variables: the test says which launcher it used.
+    transport = join(TIMEOUT_S, launcher=LAUNCHERS[backend])
     module, _, function = scenario.rpartition(".")
     result = getattr(importlib.import_module(module) if module else scenarios, function)(transport)
     torch.save(result, Path(outdir) / f"rank{transport.rank}.pt")

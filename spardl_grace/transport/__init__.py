@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 from .base import DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout
 from .counting import CountingTransport, Message
@@ -24,6 +25,7 @@ __all__ = [
     "TransportTimeout",
     "default_transport",
     "run_local",
+    "under_mpirun",
 ]
 
 
@@ -36,8 +38,12 @@ def _horovod_initialised() -> bool:
         return False
 
 
-def _under_mpirun() -> bool:
-    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+def under_mpirun(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether an MPI launcher (Open MPI, MPICH, PMIx) started this process."""
+    return any(key in environ for key in MPI_VARIABLES)
 
 
 def default_transport(timeout: float = DEFAULT_TIMEOUT_S) -> Transport:
@@ -54,7 +60,7 @@ def default_transport(timeout: float = DEFAULT_TIMEOUT_S) -> Transport:
         from .torch_dist import TorchDistTransport
 
         return TorchDistTransport(timeout=timeout)
-    if _under_mpirun():
+    if under_mpirun():
         from .mpi import MPITransport
 
         return MPITransport(timeout=timeout)
