@@ -27,7 +27,7 @@ from benchmarks.comm import machine, write_json
 from benchmarks.comm_worker import synchronize
 from benchmarks.kernels import benchmark_device, device_name
 from deepreduce_compat.codec import codec_from_params
-from spardl_grace.compressors._sparse import count_for_ratio, topk_abs
+from spardl_grace.selection import count_for_ratio, topk_abs
 from spardl_grace.payload import IdentityCodec
 
 

@@ -20,7 +20,8 @@ import torch
 from benchmarks.comm import machine, write_json
 from experiments.datasets import load_fashion_mnist
 from experiments.models.small import FashionCNN
-from spardl_grace import grace_from_params, run_local
+from deepreduce_compat import deepreduce_from_params
+from spardl_grace import run_local
 from spardl_grace.fusion import flatten_grads
 
 CONFIGS = {
@@ -61,9 +62,9 @@ def gradients(workers: int, steps: int, batch: int = 64) -> list[list[torch.Tens
 
 def run(config: dict, grads, density: float) -> dict:
     def fn(t):
-        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
-                                 "communicator": "spardl", "compress_ratio": density, **config},
-                                transport=t)
+        grc = deepreduce_from_params({"compressor": "topk", "memory": "global_residual",
+                                      "communicator": "spardl", "compress_ratio": density,
+                                      **config}, transport=t)
         sent, coding, results = [], [], []
         for grad in grads[t.rank]:
             results.append(grc.step(grad.clone(), "model"))

@@ -36,12 +36,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from spardl_grace.communicators._sparse_collectives import RADIX_BITS
+from spardl_grace.communicators.collectives import RADIX_BITS
 from spardl_grace.communicators.schedules import bruck_rounds, srs_schedule
-from spardl_grace.compressors._sparse import count_for_ratio
+from spardl_grace.selection import count_for_ratio
 from spardl_grace.payload import frame_overhead
+from spardl_grace.registry import SPARSE_ALLREDUCES
 
-ALGORITHMS = ("dense", "topka", "topkdsa", "gtopk", "oktopk", "spardl")
+# Every communicator of the registry but GRACE's and Gaussian-k (TopkA's traffic with another
+# selection; its messages vary in size, so no formula gives them).
+ALGORITHMS = ("dense", *(a for a in SPARSE_ALLREDUCES if a != "gaussiank"))
 KINDS = ("p2p", "alltoall", "allgather", "allreduce", "broadcast")
 FP32 = 4
 ENTRY = 8  # an int32 index and a float32 value

@@ -22,7 +22,7 @@ import torch
 from benchmarks.comm import machine, write_json
 from benchmarks.comm_worker import synchronize
 from deepreduce_compat.codec import codec_from_params
-from spardl_grace.compressors._sparse import count_for_ratio, topk_abs
+from spardl_grace.selection import count_for_ratio, topk_abs
 from spardl_grace.payload import IdentityCodec
 
 

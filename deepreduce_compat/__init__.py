@@ -6,13 +6,12 @@ Value codecs: none, fp16, deflate, qsgd, polyfit, dexp.
     # GRACE communicators (allgather, broadcast): wrap the sparsifier, as in DeepReduce's README
     grc = grace_from_params(params)
     grc.compressor = DeepReduce(grc.compressor, params)   # or deepreduce_from_params(params)
-    # sparse all-reduces: the same keys install the codec on every message
+    # sparse all-reduces: the same keys install the codec on every message (importing this
+    # package registers them with spardl_grace.registry)
     grc = grace_from_params({'compressor': 'topk', 'memory': 'global_residual',
                              'communicator': 'spardl', 'deepreduce': 'both',
                              'index': 'bloom', 'value': 'polyfit'})
 """
-
-import spardl_grace  # noqa: F401  (its registry imports our codecs: load it first, either order works)
 
 from .codec import DEFAULTS, INDEX_CODECS, VALUE_CODECS, DeepReduceCodec, codec_from_params
 from .compressors import DeepReduce, IndexCompressor, ValueCompressor, deepreduce_from_params

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from spardl_grace.payload import Encoded, PayloadCodec
+from spardl_grace.registry import CodecKeys, register_codec_keys
 
 from . import wire
 from .index_codecs import (
@@ -150,9 +151,17 @@ def codec_from_params(params: dict[str, Any]) -> DeepReduceCodec | None:
     """The payload codec DeepReduce's keys describe (None when 'deepreduce' is None): 'index'
     codes the positions in modes 'index' and 'both', 'value' the values in 'value' and 'both'."""
     p = resolve(params)
-    mode = p["deepreduce"]
-    if mode is None:
-        return None
+    return None if p["deepreduce"] is None else codec_for_mode(p, p["deepreduce"])
+
+
+def codec_for_mode(params: dict[str, Any], mode: str) -> DeepReduceCodec:
+    """The codec of DeepReduce's keys in `params` with 'deepreduce' set to `mode` ('value',
+    'index' or 'both')."""
+    p = resolve({**params, "deepreduce": mode})
     index = INDEX_CODECS[p["index"] if mode in ("index", "both") else "none"](p)
     value = VALUE_CODECS[p["value"] if mode in ("value", "both") else "none"](p)
     return DeepReduceCodec(index, value)
+
+
+# grace_from_params and resolve_params know DeepReduce's keys from here on.
+register_codec_keys(CodecKeys("deepreduce_compat", DEFAULTS, resolve, codec_from_params))

@@ -19,7 +19,7 @@ import torch
 
 from spardl_grace.api import Compressor
 
-from .codec import DeepReduceCodec, codec_from_params
+from .codec import DeepReduceCodec, codec_for_mode
 
 SPARSIFIERS = ("TopKCompressor", "ThresholdCompressor", "DgcCompressor")
 
@@ -35,14 +35,14 @@ class _Wrapper(Compressor):
                 f"(compressor topk, threshold or dgc), got {type(sparsifier).__name__}"
             )
         self.sparsifier = sparsifier
-        self.codec: DeepReduceCodec = codec_from_params({**(params or {}), "deepreduce": self.mode})
+        self.codec: DeepReduceCodec = codec_for_mode(params or {}, self.mode)
 
     def bind(self, transport) -> None:
         super().bind(transport)
         self.sparsifier.bind(transport)
 
     def compress(self, tensor: torch.Tensor, name: str):
-        (values, indices), ctx = self.sparsifier.compress(tensor, name)
+        (_, indices), ctx = self.sparsifier.compress(tensor, name)
         flat = tensor.reshape(-1)
         key = f"{name}.{self.next_step(name)}"
         data = self.codec.encode_bytes(flat, indices, key)

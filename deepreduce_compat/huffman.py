@@ -6,9 +6,9 @@ stream is written with bitpack.pack_varwidth, each code most significant bit fir
 
 Decoding a variable-length stream looks sequential: where symbol i starts depends on every
 symbol before it. It is done without a loop over the stream: every bit position p is decoded
-as if a code started there (one table lookup on the longest code's width of bits from p), which gives
-next(p) = p + length; the start of symbol i is next^i(0), found for all i at once by pointer
-doubling in ceil(log2(count)) rounds of gathers.
+as if a code started there (one table lookup on the longest code's width of bits from p),
+which gives next(p) = p + length; the start of symbol i is next^i(0), found for all i at once
+by pointer doubling in ceil(log2(count)) rounds of gathers.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def code_lengths(counts: list[int]) -> list[int]:
         raise ValueError(f"{len(present)} symbols do not fit codes of {MAX_LENGTH} bits")
     weights = {s: counts[s] for s in present}
     while True:
-        heap = [(w, s, (s,)) for s, w in weights.items()]
+        heap: list[tuple[int, int, tuple[int, ...]]] = [(w, s, (s,)) for s, w in weights.items()]
         heapq.heapify(heap)
         depth = dict.fromkeys(present, 0)
         while len(heap) > 1:
@@ -58,7 +58,7 @@ def canonical_codes(lengths: list[int]) -> list[int]:
     codes, shifted left whenever the length grows."""
     codes = [0] * len(lengths)
     code, previous = 0, 0
-    for length, symbol in sorted((l, s) for s, l in enumerate(lengths) if l > 0):
+    for length, symbol in sorted((n, s) for s, n in enumerate(lengths) if n > 0):
         code <<= length - previous
         codes[symbol], previous = code, length
         code += 1
@@ -74,7 +74,7 @@ def encode(symbols: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, int
     codes = canonical_codes(lengths)
     # pack_varwidth writes least significant bit first; reversing puts each code's MSB first.
     reversed_codes = torch.tensor(
-        [_reverse(c, l) for c, l in zip(codes, lengths)], dtype=torch.int64, device=symbols.device
+        [_reverse(c, n) for c, n in zip(codes, lengths)], dtype=torch.int64, device=symbols.device
     )
     widths = torch.tensor(lengths, dtype=torch.int64, device=symbols.device)[symbols]
     return bitpack.pack_varwidth(reversed_codes[symbols], widths), int(widths.sum())
@@ -84,11 +84,11 @@ def _decode_table(lengths: list[int], window: int, device) -> tuple[torch.Tensor
     """(symbol, length) for every `window`-bit value; length 0 where no code matches."""
     symbol = torch.zeros(1 << window, dtype=torch.int64)
     length = torch.zeros(1 << window, dtype=torch.int64)
-    for s, (code, l) in enumerate(zip(canonical_codes(lengths), lengths)):  # over the alphabet
-        if l:
-            first = code << (window - l)
-            symbol[first : first + (1 << (window - l))] = s
-            length[first : first + (1 << (window - l))] = l
+    for s, (code, n) in enumerate(zip(canonical_codes(lengths), lengths)):  # over the alphabet
+        if n:
+            first = code << (window - n)
+            symbol[first : first + (1 << (window - n))] = s
+            length[first : first + (1 << (window - n))] = n
     return symbol.to(device), length.to(device)
 
 
@@ -98,7 +98,7 @@ def decode(data: torch.Tensor, nbits: int, count: int, lengths: list[int]) -> to
     device = data.device
     if len(data) * 8 < nbits or len(data) != (nbits + 7) // 8:
         raise ValueError(f"huffman stream of {len(data)} bytes for {nbits} bits")
-    if any(not 0 <= l <= MAX_LENGTH for l in lengths) or sum(2.0**-l for l in lengths if l) > 1.0:
+    if any(not 0 <= n <= MAX_LENGTH for n in lengths) or sum(2.0**-n for n in lengths if n) > 1.0:
         raise ValueError(f"huffman code lengths {lengths} do not describe a prefix code")
     if count == 0:
         if nbits:

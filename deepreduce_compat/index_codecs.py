@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from spardl_grace.payload import CodecPart
 from spardl_grace.transport.base import as_bytes, from_bytes
 from spardl_grace.utils import bitpack
 from spardl_grace.utils.seeding import generator, stable_seed
@@ -22,7 +23,7 @@ PRIME = 2**31 - 1  # hash modulus: a*x + b stays below 2**62 for x < 2**31
 POLICIES = ("p0", "leftmost", "random", "conflict_sets")
 
 
-class IndexCodec:
+class IndexCodec(CodecPart):
     """Codes sorted unique int64 positions in range(size)."""
 
     name = "index"

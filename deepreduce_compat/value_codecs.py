@@ -13,6 +13,7 @@ import zlib
 import numpy as np
 import torch
 
+from spardl_grace.payload import CodecPart
 from spardl_grace.transport.base import as_bytes, from_bytes
 from spardl_grace.utils import bitpack
 from spardl_grace.utils.seeding import generator
@@ -27,7 +28,7 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class ValueCodec:
+class ValueCodec(CodecPart):
     """Codes the values of a sparse message (in position order) into a uint8 section and back.
     `name` is the config key, `code` the id in the wire header."""
 

@@ -6,11 +6,15 @@
   docstring (its own or one inherited from a base class), and every public module must be
   rendered somewhere in the API reference (a `::: module` line under docs/api/). Each gap is a
   warning, so `mkdocs build --strict` fails on it.
+- Tables that the library declares are generated where a page has their marker
+  (`<!-- generated: parameters -->`, `<!-- generated: algorithms -->`): grace_from_params'
+  keys from spardl_grace.registry.PARAMS, the communicators from ALGORITHMS.
 """
 from __future__ import annotations
 
 import logging
 import re
+import sys
 from pathlib import Path
 
 import griffe
@@ -81,6 +85,34 @@ def on_pre_build(config) -> None:
     for module in modules_missing_from_reference(api_dir, public_modules(packages)):
         log.warning("module %s is not in the API reference: add '::: %s' to a page of %s",
                     module, module, api_dir.relative_to(ROOT))
+
+
+def parameters_table() -> str:
+    """grace_from_params' keys as a markdown table, from the registry's declaration."""
+    from spardl_grace.params import markdown_table
+    from spardl_grace.registry import PARAMS
+    return markdown_table(PARAMS)
+
+
+def algorithms_table() -> str:
+    """The communicators as a markdown table, from the registry's declaration."""
+    from spardl_grace.registry import ALGORITHMS
+    rows = ["| communicator | family | what it is |", "|---|---|---|"]
+    rows += [f"| {a.name} | {a.family} | {a.doc} |" for a in ALGORITHMS.values()]
+    return "\n".join(rows)
+
+
+GENERATED = {"<!-- generated: parameters -->": parameters_table,
+             "<!-- generated: algorithms -->": algorithms_table}
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    for marker, table in GENERATED.items():
+        if marker in markdown:
+            markdown = markdown.replace(marker, table())
+    return markdown
 
 
 def on_files(files: Files, config) -> Files:

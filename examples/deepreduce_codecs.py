@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import spardl_grace
+from deepreduce_compat import deepreduce_from_params
 from spardl_grace.transport.torch_dist import destroy_and_exit
 from toy_task import make_model, parse_args, replicas_identical, report, train_step
 
@@ -21,9 +22,9 @@ for label, codec in [("uncoded", {}),
                      ("bloom + polyfit", {'deepreduce': 'both', 'index': 'bloom',
                                           'value': 'polyfit', 'policy': 'p0'})]:
     model = make_model()
-    grc = spardl_grace.grace_from_params({'compressor': 'topk', 'memory': 'global_residual',
-                                          'communicator': 'spardl',
-                                          'compress_ratio': args.density, **codec})
+    grc = deepreduce_from_params({'compressor': 'topk', 'memory': 'global_residual',
+                                  'communicator': 'spardl', 'compress_ratio': args.density,
+                                  **codec})
     optimizer = spardl_grace.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
                                                                   momentum=0.9),
                                                   grc, named_parameters=model.named_parameters())

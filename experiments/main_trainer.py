@@ -36,20 +36,20 @@ import ast
 import csv
 import json
 import os
-import socket
 import sys
 import threading
 import time
 import uuid
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from deepreduce_compat import deepreduce_from_params
+from spardl_grace import launch, registry
 from spardl_grace.checkpoint import check_same_step, load_checkpoint, save_checkpoint
 
-SPARSE_ALLREDUCES = ("spardl", "topka", "topkdsa", "gtopk", "oktopk", "gaussiank", "dense")
+SPARSE_ALLREDUCES = (*registry.SPARSE_ALLREDUCES, "dense")
 # GRACE compressor -> (memory, communicator), as GRACE's examples pair them.
 GRACE_PAIRS = {
     "none": ("none", "allreduce"), "fp16": ("none", "allreduce"),
@@ -268,6 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{args.compressor} is torch's own DDP path: --momentum-correction, "
                     "--local-clip-norm and --deepreduce belong to this library's algorithms")
     else:
+        import deepreduce_compat  # noqa: F401  (registers --deepreduce's keys with the registry)
         from spardl_grace.registry import resolve_params
         try:
             resolve_params(grace_params(args))
@@ -336,45 +337,19 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- launching
-def launcher() -> str:
-    """'horovod', 'torchrun', 'mpirun' or 'none', from the environment the launcher sets."""
-    if "HOROVOD_RANK" in os.environ:
-        return "horovod"
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return "torchrun"
-    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
-        return "mpirun"
-    return "none"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dist_backend(device: str, world: int) -> str:
-    """NCCL where every rank has a GPU of its own; gloo otherwise (CPU training, or several
-    ranks sharing a GPU, which NCCL refuses). Gloo moves CUDA tensors through the host."""
-    return "nccl" if device == "cuda" and torch.cuda.device_count() >= world else "gloo"
-
-
 def train_device(device: str, rank: int) -> torch.device:
     """This rank's device: GPU (local rank mod the GPUs here) under --device cuda."""
     if device != "cuda":
         return torch.device("cpu")
-    local = next((int(os.environ[v]) for v in ("LOCAL_RANK", "HOROVOD_LOCAL_RANK",
-                                                "OMPI_COMM_WORLD_LOCAL_RANK") if v in os.environ), rank)
-    index = local % torch.cuda.device_count()
+    index = launch.local_rank(default=rank) % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    import torch.distributed as dist
     train_device(args.device, rank)
-    dist.init_process_group(dist_backend(args.device, world), init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=args.timeout))
+    launch.start_torch_distributed(launch.torch_backend(args.device, world), args.timeout,
+                                   f"tcp://127.0.0.1:{port}", rank, world)
     from spardl_grace.transport.torch_dist import TorchDistTransport, destroy_and_exit
     train(args, TorchDistTransport(timeout=args.timeout))
     destroy_and_exit()
@@ -397,7 +372,7 @@ def launch_on_emulated_network(args: argparse.Namespace) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     worker = [sys.executable, "-m", "experiments.main_trainer", "--config", str(config.resolve())]
-    port = free_port()
+    port = launch.free_port()
     with EmulatedNetwork(args.nworkers, args.bandwidth) as net:
         run_all([net.command(r, worker) for r in range(args.nworkers)],
                 [net.rank_env(r, port, env) for r in range(args.nworkers)], root, stream=0)
@@ -405,7 +380,7 @@ def launch_on_emulated_network(args: argparse.Namespace) -> None:
 
 def start(args: argparse.Namespace) -> None:
     """Join the launcher's ranks, or launch --nworkers local ones."""
-    kind = launcher()
+    kind = launch.detect_launcher()
     if args.bandwidth is not None:
         if kind != "none" or args.nworkers < 2:
             raise SystemExit("--bandwidth launches --nworkers (>= 2) workers itself on an emulated "
@@ -418,21 +393,17 @@ def start(args: argparse.Namespace) -> None:
                          "a launcher (torchrun)")
     if kind == "none" and args.nworkers > 1:
         import torch.multiprocessing as mp
-        mp.spawn(_spawned, args=(args.nworkers, free_port(), args), nprocs=args.nworkers)
+        mp.spawn(_spawned, args=(args.nworkers, launch.free_port(), args), nprocs=args.nworkers)
         return
-    from spardl_grace.transport import default_transport, run_local
     if kind == "none":
+        from spardl_grace.transport import run_local
         run_local(1, lambda t: train(args, t))
         return
-    if kind == "horovod":
-        import horovod.torch as hvd
-        hvd.init()
-    elif kind == "torchrun":
-        import torch.distributed as dist
+    backend = "gloo"
+    if kind == "torchrun":
         train_device(args.device, int(os.environ["RANK"]))
-        dist.init_process_group(dist_backend(args.device, int(os.environ["WORLD_SIZE"])),
-                                timeout=timedelta(seconds=args.timeout))
-    train(args, default_transport(timeout=args.timeout))
+        backend = launch.torch_backend(args.device, int(os.environ["WORLD_SIZE"]))
+    train(args, launch.join(args.timeout, kind, backend))
     if kind == "torchrun":
         from spardl_grace.transport.torch_dist import destroy_and_exit
         destroy_and_exit()
@@ -634,7 +605,7 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport):
                             args.powersgd_start_iter, args.bucket_cap_mb), None
     params = grace_params(args)
     counting = spardl_grace.CountingTransport(transport)
-    grc = spardl_grace.grace_from_params(params, transport=counting)
+    grc = deepreduce_from_params(params, transport=counting)
     if args.ddp_hook:
         from experiments.baselines import ONE_BUCKET_MB
         return GraceHookSync(model, sgd, counting, grc, args.bucket_cap_mb or ONE_BUCKET_MB,

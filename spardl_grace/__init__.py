@@ -36,6 +36,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "TransportTimeout",
+    "__version__",
     "broadcast_parameters",
     "comm_hook",
     "grace_from_params",

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .payload import PayloadCodec
+from .payload import CodecPart, PayloadCodec
 from .transport import Transport
 from .version import __version__
 
@@ -45,9 +45,7 @@ def settings_of(obj: Any, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def _is_codec(value: Any) -> bool:
-    return isinstance(value, PayloadCodec) or type(value).__module__.startswith(
-        "deepreduce_compat."
-    )
+    return isinstance(value, (PayloadCodec, CodecPart))
 
 
 def digest(fields: dict[str, Any]) -> int:

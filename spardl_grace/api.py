@@ -53,6 +53,12 @@ class Compressor(ABC):
     def rank(self) -> int:
         return self.transport.rank if self.transport is not None else 0
 
+    @property
+    def bound_transport(self) -> Transport:
+        """The transport bind() gave; RuntimeError if none was given (for compressors that
+        communicate)."""
+        return _bound(self)
+
     def next_step(self, name: str) -> int:
         """The per-name step counter (0 on the first call for `name`), then advance it."""
         step = self._steps.get(name, 0)
@@ -75,12 +81,23 @@ class Compressor(ABC):
         return total
 
     def state_dict(self) -> dict[str, Any]:
-        """The per-name step counters, as plain values (loads with torch.load(weights_only=True))."""
+        """The per-name step counters, as plain values (loads with
+        torch.load(weights_only=True))."""
         return {"steps": dict(self._steps)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned; names it lacks start afresh."""
         self._steps = dict(state.get("steps", {}))
+
+
+def _bound(part: Any) -> Transport:
+    """`part`'s transport; RuntimeError when no communicator has bound one yet."""
+    if part.transport is None:
+        raise RuntimeError(
+            f"{type(part).__name__} communicates but is not bound to a transport: "
+            "build it into a communicator (grace_from_params) or call bind()"
+        )
+    return part.transport
 
 
 def communication_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -97,6 +114,12 @@ class Memory(ABC):
     def bind(self, transport: Transport) -> None:
         """Give the memory the transport (memories that need the rank or the world size)."""
         self.transport = transport
+
+    @property
+    def bound_transport(self) -> Transport:
+        """The transport bind() gave; RuntimeError if none was given (for memories that
+        communicate)."""
+        return _bound(self)
 
     @abstractmethod
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:

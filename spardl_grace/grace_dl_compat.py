@@ -27,7 +27,8 @@ def register_with_grace_dl() -> list[str]:
             continue
         for ours in (Compressor, Memory, Communicator):
             theirs = getattr(module, ours.__name__, None)
-            if isinstance(theirs, type) and callable(getattr(theirs, "register", None)):
-                theirs.register(ours)
+            register = getattr(theirs, "register", None)
+            if isinstance(theirs, type) and callable(register):
+                register(ours)
         registered.append(module_name)
     return registered

@@ -4,30 +4,20 @@
                              'communicator': 'spardl', 'compress_ratio': 0.01})
     averaged = grc.step(grad, name)
 
-Keys and defaults follow GRACE: compressor 'none', memory 'none', communicator 'allreduce',
-compress_ratio 0.01 (0.3 for dgc), threshold 0.01, quantum_num 127, momentum 0.9, lr 0.1,
-gradient_clipping False; plus world_size (checked against the transport), 'density' (alias of
-compress_ratio), 'teams' (SparDL's d, default 1), 'powersgd_rank' (default 1), 'seed'
-(default 0, for shared random draws), 'gtopk_residual' ('exact' or 'paper', default 'exact'),
-DGC's 'momentum_correction' (m in [0, 1), default 0: off) and 'local_clip_norm' (None: off) for
-memory 'global_residual' with a sparse all-reduce (see spardl_grace.memories.residual)
-and Ok-Topk's 'oktopk_warmup' (0), 'oktopk_threshold_interval' (32), 'oktopk_region_interval'
-(64), 'oktopk_local_scale' (1.012), 'oktopk_global_scale' (1.008). Every unknown key, name or
-out-of-range value raises ValueError naming the valid choices.
-
-Communicators: GRACE's allreduce, allgather, broadcast; the sparse all-reduces spardl, topka,
-topkdsa, gtopk, oktopk, gaussiank (compressor 'topk'; memory 'global_residual', 'residual'
-or 'none'); and 'dense' (compressor 'none', the uncompressed baseline).
+Keys and defaults follow GRACE's (compressor 'none', memory 'none', communicator 'allreduce',
+compress_ratio 0.01, ...), plus SparDL's and its peers'. PARAMS holds every key as one row
+(default, what it accepts, what it means; the docs' parameter table is generated from it),
+and ALGORITHMS every communicator: GRACE's allreduce, allgather, broadcast; the sparse
+all-reduces spardl, topka, gaussiank, topkdsa, gtopk, oktopk (compressor 'topk'; memory
+'global_residual', 'residual' or 'none'); and 'dense' (the uncompressed baseline). Every
+unknown key, name or out-of-range value raises ValueError naming the valid choices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
-
-from deepreduce_compat.codec import DEFAULTS as DEEPREDUCE_DEFAULTS
-from deepreduce_compat.codec import codec_from_params
-from deepreduce_compat.codec import resolve as resolve_deepreduce
 
 from . import compressors as C
 from . import memories as M
@@ -35,12 +25,13 @@ from .api import Communicator, Compressor, Memory
 from .communicators.dense import Dense
 from .communicators.grace import Allgather, Allreduce, Broadcast
 from .communicators.gtopk import RESIDUAL_RULES, GTopk
-from .communicators.oktopk import DEFAULTS as OKTOPK_DEFAULTS
+from .communicators.oktopk import PARAMS as OKTOPK_PARAMS
 from .communicators.oktopk import OkTopk
-from .communicators.oktopk import check_params as check_oktopk_params
 from .communicators.spardl import SparDL
 from .communicators.topka import GaussianK, TopkA
 from .communicators.topkdsa import TopkDSA
+from .params import Param, int_at_least, number_above, ranged
+from .payload import ChecksummedCodec, IdentityCodec, PayloadCodec
 from .transport import Transport, default_transport
 
 COMPRESSORS: dict[str, Callable[[dict], Compressor]] = {
@@ -73,31 +64,109 @@ MEMORIES: dict[str, Callable[[dict], Memory]] = {
     "powersgd": lambda p: M.PowerSGDMemory(),
 }
 
-GRACE_COMMUNICATORS = {"allreduce": Allreduce, "allgather": Allgather, "broadcast": Broadcast}
-SPARSE_COMMUNICATORS: dict[str, Callable[..., Communicator]] = {
-    "spardl": lambda c, m, t, p, codec: SparDL(
-        c, m, t, p["compress_ratio"], teams=p["teams"], codec=codec
-    ),
-    "dense": lambda c, m, t, p, codec: Dense(c, m, t),
-    "topka": lambda c, m, t, p, codec: TopkA(c, m, t, p["compress_ratio"], codec=codec),
-    "gaussiank": lambda c, m, t, p, codec: GaussianK(c, m, t, p["compress_ratio"], codec=codec),
-    "topkdsa": lambda c, m, t, p, codec: TopkDSA(c, m, t, p["compress_ratio"], codec=codec),
-    "gtopk": lambda c, m, t, p, codec: GTopk(
-        c, m, t, p["compress_ratio"], residual_rule=p["gtopk_residual"], codec=codec
-    ),
-    "oktopk": lambda c, m, t, p, codec: OkTopk(
-        c,
-        m,
-        t,
-        p["compress_ratio"],
-        warmup=p["oktopk_warmup"],
-        threshold_interval=p["oktopk_threshold_interval"],
-        region_interval=p["oktopk_region_interval"],
-        local_scale=p["oktopk_local_scale"],
-        global_scale=p["oktopk_global_scale"],
-        codec=codec,
-    ),
+Build = Callable[[Compressor, Memory, Transport, dict[str, Any], PayloadCodec | None], Communicator]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A communicator: its name, its family ('grace': GRACE's compressor-memory-communicator
+    trio; 'sparse': a sparse all-reduce that selects entries itself; 'dense': the
+    uncompressed baseline), how it is built from the resolved params, and what it is."""
+
+    name: str
+    family: str
+    build: Build
+    doc: str
+
+
+def _sparse(cls: Callable[..., Communicator], **keys: str) -> Build:
+    """Build a sparse all-reduce `cls` with the density, the codec, and the params `keys`
+    names (constructor argument=param key)."""
+
+    def build(
+        c: Compressor, m: Memory, t: Transport, p: dict[str, Any], codec: PayloadCodec | None
+    ) -> Communicator:
+        extra = {arg: p[key] for arg, key in keys.items()}
+        return cls(c, m, t, p["compress_ratio"], codec=codec, **extra)
+
+    return build
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm(
+            "allreduce",
+            "grace",
+            lambda c, m, t, p, codec: Allreduce(c, m, t),
+            "GRACE's: sums the compressed tensors (linear compressors)",
+        ),
+        Algorithm(
+            "allgather",
+            "grace",
+            lambda c, m, t, p, codec: Allgather(c, m, t),
+            "GRACE's: gathers every worker's compressed tensors",
+        ),
+        Algorithm(
+            "broadcast",
+            "grace",
+            lambda c, m, t, p, codec: Broadcast(c, m, t),
+            "GRACE's: each worker broadcasts its compressed tensors in turn",
+        ),
+        Algorithm("topka", "sparse", _sparse(TopkA), "top-k of each worker, all-gathered"),
+        Algorithm(
+            "gaussiank",
+            "sparse",
+            _sparse(GaussianK),
+            "TopkA with a threshold estimated from a Gaussian fit",
+        ),
+        Algorithm(
+            "topkdsa",
+            "sparse",
+            _sparse(TopkDSA),
+            "top-k reduce-scatter by regions, then a sparse or dense all-gather",
+        ),
+        Algorithm(
+            "gtopk",
+            "sparse",
+            _sparse(GTopk, residual_rule="gtopk_residual"),
+            "gTop-k: the global top-k by recursive doubling (any number of workers)",
+        ),
+        Algorithm(
+            "oktopk",
+            "sparse",
+            _sparse(
+                OkTopk,
+                warmup="oktopk_warmup",
+                threshold_interval="oktopk_threshold_interval",
+                region_interval="oktopk_region_interval",
+                local_scale="oktopk_local_scale",
+                global_scale="oktopk_global_scale",
+            ),
+            "Ok-Topk: thresholds reused across steps, balanced regions",
+        ),
+        Algorithm(
+            "spardl",
+            "sparse",
+            _sparse(SparDL, teams="teams"),
+            "SparDL: Spar-Reduce-Scatter, global residual collection, Spar-All-Gather in d teams",
+        ),
+        Algorithm(
+            "dense",
+            "dense",
+            lambda c, m, t, p, codec: Dense(c, m, t),
+            "the uncompressed all-reduce, for comparison",
+        ),
+    )
 }
+GRACE_COMMUNICATORS: dict[str, Build] = {
+    n: a.build for n, a in ALGORITHMS.items() if a.family == "grace"
+}
+SPARSE_COMMUNICATORS: dict[str, Build] = {
+    n: a.build for n, a in ALGORITHMS.items() if a.family != "grace"
+}
+#: the sparse all-reduces, in the order the benchmarks and the docs list them
+SPARSE_ALLREDUCES = tuple(n for n, a in ALGORITHMS.items() if a.family == "sparse")
 COMMUNICATORS = sorted([*GRACE_COMMUNICATORS, *SPARSE_COMMUNICATORS])
 
 # Compressors whose compressed tensors may be summed element-wise (all-reduce compatible).
@@ -107,45 +176,187 @@ SPARSE_MEMORIES = {"global_residual", "residual", "none"}
 # Memories that take DGC's momentum correction and local clipping (with a sparse all-reduce).
 DGC_TECHNIQUE_MEMORIES = {"global_residual", "residual"}
 
-DEFAULTS: dict[str, Any] = {
-    "compressor": "none",
-    "memory": "none",
-    "communicator": "allreduce",
-    "compress_ratio": None,
-    "threshold": 0.01,
-    "quantum_num": 127,
-    "momentum": 0.9,
-    "lr": 0.1,
-    "gradient_clipping": False,
-    "world_size": None,
-    "teams": 1,
-    "powersgd_rank": 1,
-    "seed": 0,
-    "gtopk_residual": "exact",
-    "momentum_correction": 0.0,
-    "local_clip_norm": None,
-    **{f"oktopk_{k}": v for k, v in OKTOPK_DEFAULTS.items()},
-}
-KNOWN_KEYS = set(DEFAULTS) | set(DEEPREDUCE_DEFAULTS) | {"density"}
+
+def _optional(check_rule: tuple[Callable[[Any], bool], str]) -> tuple[Callable[[Any], bool], str]:
+    check, rule = check_rule
+    return (lambda v: v is None or check(v)), f"None (off) or {rule}"
 
 
-def _choice(kind: str, value: Any, valid) -> str:
-    if value not in valid:
-        raise ValueError(f"unknown {kind} {value!r}; valid choices: {', '.join(sorted(valid))}")
-    return value
+def _fraction(low_open: bool) -> tuple[Callable[[Any], bool], str]:
+    if low_open:
+        return (lambda v: _is_number(v) and 0 < v <= 1), "a number in (0, 1]"
+    return (lambda v: _is_number(v) and 0 <= v < 1), "a number in [0, 1)"
 
 
-def _in_range(key: str, value: Any, ok: bool, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{key} must be {rule}, got {value!r}")
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+PARAMS: tuple[Param, ...] = (
+    Param(
+        "compressor",
+        "none",
+        "GRACE's compressor; the sparse all-reduces take 'topk'",
+        choices=tuple(COMPRESSORS),
+        kind="compressor",
+    ),
+    Param("memory", "none", "error feedback", choices=tuple(MEMORIES), kind="memory"),
+    Param(
+        "communicator",
+        "allreduce",
+        "the communicator: one of ALGORITHMS (GRACE's, the sparse all-reduces, dense)",
+        choices=tuple(ALGORITHMS),
+        kind="communicator",
+    ),
+    ranged(
+        "compress_ratio",
+        None,
+        "the fraction of entries kept (alias: density)",
+        _fraction(low_open=True),
+        default_doc="0.01 (dgc: 0.3)",
+    ),
+    ranged(
+        "threshold",
+        0.01,
+        "the threshold compressor's bound on magnitudes",
+        ((lambda v: _is_number(v) and v >= 0), "a number >= 0"),
+    ),
+    ranged(
+        "quantum_num",
+        127,
+        "quantisation levels (GRACE's qsgd; DeepReduce's qsgd values)",
+        ((lambda v: isinstance(v, int) and 1 <= v <= 32767), "an int in 1..32767"),
+    ),
+    ranged("momentum", 0.9, "signum's and the dgc memory's momentum", _fraction(low_open=False)),
+    ranged("lr", 0.1, "efsignsgd's step size", number_above(0)),
+    ranged(
+        "gradient_clipping",
+        False,
+        "the dgc memory's gradient clipping",
+        ((lambda v: isinstance(v, bool)), "True or False"),
+    ),
+    ranged(
+        "world_size", None, "if given, checked against the transport's", _optional(int_at_least(1))
+    ),
+    ranged("teams", 1, "SparDL's d (must divide the number of workers)", int_at_least(1)),
+    ranged("powersgd_rank", 1, "PowerSGD's rank", int_at_least(1)),
+    ranged(
+        "seed",
+        0,
+        "shared random draws (randomk positions, PowerSGD's first Q, codecs)",
+        ((lambda v: isinstance(v, int) and not isinstance(v, bool)), "an int"),
+    ),
+    Param(
+        "gtopk_residual",
+        "exact",
+        "gTop-k's residual rule: exact (conserves mass) or paper",
+        choices=RESIDUAL_RULES,
+        kind="gtopk_residual rule",
+    ),
+    ranged(
+        "momentum_correction",
+        0.0,
+        "DGC's momentum correction m for memory global_residual or residual with a sparse "
+        "all-reduce (0: off)",
+        ((lambda v: _is_number(v) and 0 <= v < 1), "a number in [0, 1) (0 turns it off)"),
+    ),
+    ranged(
+        "local_clip_norm",
+        None,
+        "DGC's local clipping: each worker's gradient to L2 norm c/sqrt(P) before the memory",
+        _optional(number_above(0)),
+    ),
+    ranged(
+        "checksum",
+        False,
+        "a CRC-32 on every message of a sparse all-reduce (4 bytes each), so a message changed "
+        "on the way raises ValueError (DeepReduce's codecs carry one already)",
+        ((lambda v: isinstance(v, bool)), "True or False"),
+    ),
+    *OKTOPK_PARAMS,
+)
+DEFAULTS: dict[str, Any] = {p.key: p.default for p in PARAMS}
+
+
+@dataclass(frozen=True)
+class CodecKeys:
+    """Keys of grace_from_params that choose the payload codec of the sparse all-reduces'
+    messages, contributed by a codec package through register_codec_keys (deepreduce_compat
+    registers DeepReduce's keys when it is imported). The core knows no codec package.
+
+    defaults: each key and its default (a key the core has too, such as 'seed' or
+    'quantum_num', must have the core's default: it is one setting, shared). resolve: the
+    keys' values with defaults filled in, validated (ValueError naming the valid choices).
+    build: the codec the resolved keys describe, or None when they choose none."""
+
+    package: str
+    defaults: Mapping[str, Any]
+    resolve: Callable[[dict[str, Any]], dict[str, Any]]
+    build: Callable[[dict[str, Any]], PayloadCodec | None]
+
+
+_CODEC_KEYS: dict[str, CodecKeys] = {}
+
+
+def register_codec_keys(keys: CodecKeys) -> None:
+    """Make `keys` known to grace_from_params and resolve_params. Registering a package again
+    replaces its keys; a key that another package registered, or a shared key with another
+    default than the core's, raises ValueError."""
+    for key, value in keys.defaults.items():
+        if key in DEFAULTS and DEFAULTS[key] != value:
+            raise ValueError(
+                f"{keys.package} gives key {key!r} the default {value!r}, but it is "
+                f"shared with the core, whose default is {DEFAULTS[key]!r}"
+            )
+        owner = next(
+            (
+                k.package
+                for k in _CODEC_KEYS.values()
+                if k.package != keys.package and key in k.defaults
+            ),
+            None,
+        )
+        if owner is not None:
+            raise ValueError(f"{keys.package} registers key {key!r}, which {owner} registered")
+    _CODEC_KEYS[keys.package] = keys
+
+
+def known_keys() -> set[str]:
+    """Every key resolve_params accepts now: the core's, 'density', and the registered codec
+    packages' keys."""
+    return set(DEFAULTS) | {"density"}.union(*(k.defaults for k in _CODEC_KEYS.values()))
+
+
+def _codec_of(p: dict[str, Any]) -> PayloadCodec | None:
+    """The codec the resolved `p` chooses, if a registered package's keys choose one."""
+    codecs = [
+        (keys.package, codec)
+        for keys in _CODEC_KEYS.values()
+        if (codec := keys.build(p)) is not None
+    ]
+    if len(codecs) > 1:
+        raise ValueError(
+            f"the keys of {', '.join(n for n, _ in codecs)} each choose a payload codec: choose one"
+        )
+    return codecs[0][1] if codecs else None
 
 
 def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
     """GRACE params with defaults filled in and every value validated."""
-    unknown = set(params) - KNOWN_KEYS
+    known = known_keys()
+    unknown = set(params) - known
     if unknown:
+        hint = (
+            ""
+            if _CODEC_KEYS
+            else (
+                " (a codec package's keys, such as DeepReduce's "
+                "'deepreduce', 'index' and 'value', are known once it "
+                "is imported: import deepreduce_compat)"
+            )
+        )
         raise ValueError(
-            f"unknown parameter(s) {sorted(unknown)}; valid keys: {sorted(KNOWN_KEYS)}"
+            f"unknown parameter(s) {sorted(unknown)}; valid keys: {sorted(known)}{hint}"
         )
     p = {**DEFAULTS, **params}
     if "density" in params:
@@ -154,73 +365,17 @@ def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
                 "'density' is an alias of 'compress_ratio': give one of them, not both"
             )
         p["compress_ratio"] = params["density"]
-    _choice("compressor", p["compressor"], COMPRESSORS)
-    _choice("memory", p["memory"], MEMORIES)
-    _choice("communicator", p["communicator"], COMMUNICATORS)
-    if p["compress_ratio"] is None:
-        p["compress_ratio"] = 0.3 if p["compressor"] == "dgc" else 0.01
-    ratio = p["compress_ratio"]
-    _in_range(
-        "compress_ratio",
-        ratio,
-        isinstance(ratio, (int, float)) and 0 < ratio <= 1,
-        "a number in (0, 1]",
-    )
-    _in_range(
-        "threshold",
-        p["threshold"],
-        isinstance(p["threshold"], (int, float)) and p["threshold"] >= 0,
-        "a number >= 0",
-    )
-    _in_range(
-        "quantum_num",
-        p["quantum_num"],
-        isinstance(p["quantum_num"], int) and 1 <= p["quantum_num"] <= 32767,
-        "an int in 1..32767",
-    )
-    _in_range(
-        "momentum",
-        p["momentum"],
-        isinstance(p["momentum"], (int, float)) and 0 <= p["momentum"] < 1,
-        "a number in [0, 1)",
-    )
-    _in_range("lr", p["lr"], isinstance(p["lr"], (int, float)) and p["lr"] > 0, "a number > 0")
-    _in_range(
-        "gradient_clipping",
-        p["gradient_clipping"],
-        isinstance(p["gradient_clipping"], bool),
-        "True or False",
-    )
-    _in_range("teams", p["teams"], isinstance(p["teams"], int) and p["teams"] >= 1, "an int >= 1")
-    _in_range(
-        "powersgd_rank",
-        p["powersgd_rank"],
-        isinstance(p["powersgd_rank"], int) and p["powersgd_rank"] >= 1,
-        "an int >= 1",
-    )
-    _choice("gtopk_residual rule", p["gtopk_residual"], RESIDUAL_RULES)
-    mc = p["momentum_correction"]
-    _in_range(
-        "momentum_correction",
-        mc,
-        isinstance(mc, (int, float)) and not isinstance(mc, bool) and 0 <= mc < 1,
-        "a number in [0, 1) (0 turns it off)",
-    )
-    clip = p["local_clip_norm"]
-    _in_range(
-        "local_clip_norm",
-        clip,
-        clip is None
-        or (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0),
-        "None (off) or a number > 0",
-    )
-    check_oktopk_params(**{key: p[f"oktopk_{key}"] for key in OKTOPK_DEFAULTS})
-    p.update(resolve_deepreduce(p))
-    _check_combination(p)
+    for param in PARAMS:
+        if param.key == "compress_ratio" and p["compress_ratio"] is None:
+            p["compress_ratio"] = 0.3 if p["compressor"] == "dgc" else 0.01
+        param.validate(p[param.key])
+    for keys in _CODEC_KEYS.values():
+        p.update(keys.resolve(p))
+    _check_combination(p, coded=_codec_of(p) is not None)
     return p
 
 
-def _check_combination(p: dict[str, Any]) -> None:
+def _check_combination(p: dict[str, Any], coded: bool) -> None:
     comp, mem, comm = p["compressor"], p["memory"], p["communicator"]
     for key in ("momentum_correction", "local_clip_norm"):
         if p[key] and (comm not in SPARSE_COMMUNICATORS or mem not in DGC_TECHNIQUE_MEMORIES):
@@ -230,10 +385,16 @@ def _check_combination(p: dict[str, Any]) -> None:
                 f"memory {mem!r}, communicator {comm!r} (GRACE's 'dgc' memory has its "
                 "own momentum)"
             )
-    if p["deepreduce"] is not None and comm == "dense":
+    if p["checksum"] and comm not in SPARSE_ALLREDUCES:
         raise ValueError(
-            "communicator 'dense' sends no sparse payload for DeepReduce to code: "
-            "set 'deepreduce' to None or choose a sparse communicator"
+            f"'checksum' guards the messages of the sparse all-reduces "
+            f"({', '.join(SPARSE_ALLREDUCES)}); communicator {comm!r} sends none of them"
+        )
+    if coded and comm == "dense":
+        raise ValueError(
+            "communicator 'dense' sends no sparse payload for a codec to code: "
+            "choose no codec (DeepReduce: 'deepreduce': None) or a sparse "
+            "communicator"
         )
     if comm == "dense":
         if comp not in ("none", "topk"):
@@ -280,13 +441,19 @@ def _check_combination(p: dict[str, Any]) -> None:
         )
 
 
-def grace_from_params(params: dict[str, Any], transport: Transport | None = None) -> Communicator:
+def grace_from_params(
+    params: dict[str, Any], transport: Transport | None = None, codec: PayloadCodec | None = None
+) -> Communicator:
     """Build the communicator described by GRACE-style `params` (see the module docstring).
 
     'compressor' and 'memory' may be objects instead of names: a GRACE user's own (GRACE's
     interface is enough) or one of this library's. transport=None uses the active backend
     (Horovod, else torch.distributed, else mpirun); spardl_grace.transport.run_local gives a
-    transport per thread for simulations."""
+    transport per thread for simulations. codec: the PayloadCodec that codes a sparse
+    all-reduce's messages (None: the identity, or the one a registered codec package's keys
+    in `params` choose, such as DeepReduce's)."""
+    if codec is not None and not isinstance(codec, PayloadCodec):
+        raise TypeError(f"codec must be a spardl_grace.PayloadCodec, got {type(codec).__name__}")
     given = {
         key: params[key]
         for key in ("compressor", "memory")
@@ -296,6 +463,24 @@ def grace_from_params(params: dict[str, Any], transport: Transport | None = None
     # Objects stand aside while the names are validated; the communicator checks them itself.
     stand_in = {"compressor": "topk" if sparse else "none", "memory": "none"}
     p = resolve_params({**params, **{key: stand_in[key] for key in given}})
+    chosen = _codec_of(p)
+    if codec is not None and chosen is not None:
+        raise ValueError(
+            "give the codec as codec= or choose it with a codec package's keys "
+            f"({chosen.name}), not both"
+        )
+    comm = p["communicator"]
+    if codec is not None and comm not in SPARSE_COMMUNICATORS.keys() - {"dense"}:
+        raise ValueError(
+            f"codec= codes the messages of the sparse all-reduces "
+            f"({', '.join(sorted(SPARSE_COMMUNICATORS.keys() - {'dense'}))}); "
+            f"communicator {comm!r} sends none"
+        )
+    # With a GRACE communicator, DeepReduce's keys choose wrappers of the compressor instead
+    # (deepreduce_compat.deepreduce_from_params applies them).
+    codec = codec if codec is not None else chosen
+    if p["checksum"]:
+        codec = ChecksummedCodec(codec if codec is not None else IdentityCodec())
     if transport is None:
         transport = default_transport()
     if p["world_size"] is not None and p["world_size"] != transport.size:
@@ -304,7 +489,4 @@ def grace_from_params(params: dict[str, Any], transport: Transport | None = None
         )
     compressor = given["compressor"] if "compressor" in given else COMPRESSORS[p["compressor"]](p)
     memory = given["memory"] if "memory" in given else MEMORIES[p["memory"]](p)
-    comm = p["communicator"]
-    if comm in GRACE_COMMUNICATORS:
-        return GRACE_COMMUNICATORS[comm](compressor, memory, transport)
-    return SPARSE_COMMUNICATORS[comm](compressor, memory, transport, p, codec_from_params(p))
+    return ALGORITHMS[comm].build(compressor, memory, transport, p, codec)

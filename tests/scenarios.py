@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from deepreduce_compat import deepreduce_from_params
 from spardl_grace import grace_from_params
 
 DTYPES = [torch.float32, torch.int32, torch.uint8, torch.bfloat16, torch.float64]
@@ -141,8 +142,8 @@ def sparse_steps(transport, params: dict, n: int, steps: int = 3, seed: int = 7,
                  integer_valued: bool = False) -> list[dict]:
     """A sparse all-reduce built from `params` for several steps on per-rank random gradients
     of n entries: per step the input, old residual, result, new residual and statistics."""
-    grc = grace_from_params({"memory": "global_residual", "compressor": "topk", **params},
-                            transport=transport)
+    grc = deepreduce_from_params({"memory": "global_residual", "compressor": "topk", **params},
+                                 transport=transport)
     g = torch.Generator().manual_seed(seed + transport.rank)
     records = []
     for step in range(steps):

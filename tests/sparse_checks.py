@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from spardl_grace import grace_from_params, run_local
+from deepreduce_compat import deepreduce_from_params
+from spardl_grace import run_local
 from spardl_grace.transport import CountingTransport
 
 
@@ -13,8 +14,8 @@ def run_steps(size, params, n=None, steps=3, integer_valued=False, counting=Fals
     the messages sent. Gradients are random (seeded per rank) or given as grads[rank][step]."""
     def fn(t):
         transport = CountingTransport(t) if counting else t
-        grc = grace_from_params({"memory": "global_residual", "compressor": "topk", **params},
-                                transport=transport)
+        grc = deepreduce_from_params({"memory": "global_residual", "compressor": "topk",
+                                      **params}, transport=transport)
         g = torch.Generator().manual_seed(1000 + t.rank)
         records = []
         for step in range(steps):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import scenarios
 from spardl_grace import DistributedOptimizer, Memory, grace_from_params, run_local
 from spardl_grace.buffers import BufferPool
-from spardl_grace.compressors._sparse import sparse_nonzero
+from spardl_grace.selection import sparse_nonzero
 from spardl_grace.memories.none import NoneMemory
 from spardl_grace.memories.residual import ResidualMemory
 from spardl_grace.sync import Bucket, GradientSync, per_parameter_stores

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from spardl_grace import compressors as C
-from spardl_grace.compressors._sparse import count_for_ratio
+from spardl_grace.selection import count_for_ratio
 from spardl_grace.compressors.signsgd import majority_vote
 from spardl_grace.transport import run_local
 
@@ -170,7 +170,7 @@ def test_state_dict_round_trips_with_weights_only(tmp_path):
 def test_topk_abs_prefilter_gives_the_exact_top_k(layout, n, k):
     """The sampled-threshold prefilter returns torch.topk's set, also when the strided sample
     misses every large entry (one_hot_region: the fallback runs) and with ties."""
-    from spardl_grace.compressors._sparse import topk_abs
+    from spardl_grace.selection import topk_abs
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(n, generator=g)
     if layout == "one_hot_region":

@@ -1,5 +1,6 @@
 """The docs site builds with --strict, the API reference covers the library, and the checks that
 make --strict fail on a missing docstring or an unreferenced module really fail."""
+import html
 import importlib.util
 import os
 import re
@@ -30,7 +31,7 @@ def site(tmp_path_factory):
 
 
 def _text(page: Path) -> str:
-    return re.sub(r"<[^>]+>", " ", page.read_text())
+    return html.unescape(re.sub(r"<[^>]+>", " ", page.read_text()))
 
 
 def test_site_builds_strict_with_guides_results_and_api(site):
@@ -43,6 +44,16 @@ def test_site_builds_strict_with_guides_results_and_api(site):
     optimizer = _text(site / "api" / "integration" / "index.html")
     assert "DistributedOptimizer" in optimizer and "comm_hook" in optimizer
     assert (site / "assets" / "experiments" / "results" / "main_job" / "accuracy_vs_time.png").is_file()
+
+
+def test_the_parameter_and_algorithm_tables_are_generated_from_the_registry(site):
+    from spardl_grace.registry import ALGORITHMS, PARAMS
+    page = _text(site / "guide" / "parameters" / "index.html")
+    assert "generated:" not in page
+    for param in PARAMS:
+        assert f" {param.key} " in page and param.accepts() in page, param.key
+    for algorithm in ALGORITHMS.values():
+        assert algorithm.doc in page, algorithm.name
 
 
 def test_the_library_has_no_public_object_without_a_docstring():

@@ -12,8 +12,8 @@ from sparse_checks import (algorithm_messages, check_consistent_and_conserving,
                            check_exact_dense_average, run_steps, sent_bytes)
 from spardl_grace import grace_from_params, run_local
 from spardl_grace.buffers import Scratch
-from spardl_grace.communicators._sparse_collectives import StepStats, global_kth_magnitude
-from spardl_grace.compressors._sparse import topk_abs
+from spardl_grace.communicators.collectives import StepStats, global_kth_magnitude
+from spardl_grace.selection import topk_abs
 from spardl_grace.sync import Bucket, GradientSync
 from spardl_grace.payload import frame_overhead
 from spardl_grace.transport import CountingTransport

@@ -18,7 +18,7 @@ from experiments import main_trainer
 from experiments import text
 from experiments.datasets import DATASET_TASKS, DATASETS, load_dataset
 from experiments.models import MODEL_TASKS, MODELS, build_model
-from spardl_grace import run_local
+from spardl_grace import launch, run_local
 
 
 # ------------------------------------------------------------------------------- models
@@ -91,10 +91,10 @@ def test_device_choice_and_its_transport(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main_trainer.parse_args(["--device", "tpu"])
     assert "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')" in capsys.readouterr().err
-    assert main_trainer.dist_backend("cpu", 4) == "gloo"
+    assert launch.torch_backend("cpu", 4) == "gloo"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert main_trainer.dist_backend("cuda", 4) == "nccl"
-    assert main_trainer.dist_backend("cuda", 8) == "gloo"  # ranks would share GPUs: NCCL refuses
+    assert launch.torch_backend("cuda", 4) == "nccl"
+    assert launch.torch_backend("cuda", 8) == "gloo"  # ranks would share GPUs: NCCL refuses
     assert main_trainer.train_device("cpu", 3) == torch.device("cpu")
 
 
@@ -359,7 +359,9 @@ def test_density_warmup_start_sets_the_first_stage(tmp_path, capsys):
 def test_density_warmup_needs_a_compressor_with_a_density(tmp_path, extra, capsys):
     with pytest.raises(SystemExit):
         _args(tmp_path, "--density-warmup", "1", *extra)
-    assert "--density-warmup needs --compression with one of spardl" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--density-warmup needs --compression with one of topka, gaussiank, topkdsa, gtopk, " \
+           "oktopk, spardl, topk, randomk, dgc" in err
 
 
 @pytest.mark.parametrize("baseline", main_trainer.BASELINES)

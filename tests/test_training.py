@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from experiments import compare, main_trainer
-from spardl_grace import run_local
+from experiments import compare
 
 
 def test_main_job_quick_compares_ddp_powersgd_and_spardl(tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from ..api import Compressor, Memory, SparseAllreduce
 from ..transport import Transport
-from ._sparse_collectives import StepStats, dense_average
+from .collectives import StepStats, dense_average
 
 
 class Dense(SparseAllreduce):

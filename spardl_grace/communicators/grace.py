@@ -50,9 +50,12 @@ class Broadcast(Allgather):
             for i, t in enumerate(tensors):
                 shape = t.shape
                 if not same_sizes(self.compressor):
-                    n = torch.tensor([t.numel()], dtype=torch.int64)
-                    n = int(self.transport.broadcast(n, root, f"broadcast.{name}.{root}.{i}.n"))
-                    shape = (n,)
+                    count = torch.tensor([t.numel()], dtype=torch.int64)
+                    shape = (
+                        int(
+                            self.transport.broadcast(count, root, f"broadcast.{name}.{root}.{i}.n")
+                        ),
+                    )
                 buf = t.reshape(shape) if root == self.transport.rank else t.new_empty(shape)
                 received.append(self.transport.broadcast(buf, root, f"broadcast.{name}.{root}.{i}"))
             per_worker.append(received)

@@ -36,12 +36,12 @@ from typing import NamedTuple
 import torch
 
 from ..api import Compressor, Memory
-from ..compressors._sparse import count_for_ratio, topk_abs
 from ..payload import PayloadCodec, frame_overhead, pack_frames, unpack_frames
+from ..selection import count_for_ratio, topk_abs
 from ..transport import Transport
 from ..utils import bitpack
 from ._base import CodedAllreduce
-from ._sparse_collectives import StepStats, realign
+from .collectives import StepStats, realign
 
 PHASES = ("fold", "merge", "final")
 RESIDUAL_RULES = ("exact", "paper")
@@ -248,7 +248,7 @@ class GTopk(CodedAllreduce):
             credit = torch.zeros_like(values)
             credit.index_add_(0, inverse, torch.cat([low.credit, high.credit]))
             folded = None
-            if low.folded is not None:
+            if low.folded is not None and high.folded is not None:
                 flags = torch.cat([low.folded, high.folded]).to(torch.int32)
                 folded = torch.zeros(union.numel(), dtype=torch.int32, device=union.device)
                 folded = folded.index_add_(0, inverse, flags) > 0

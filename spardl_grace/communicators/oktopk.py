@@ -42,11 +42,12 @@ from typing import Any
 import torch
 
 from ..api import Compressor, Memory
-from ..compressors._sparse import count_for_ratio, topk_abs
+from ..params import int_at_least, number_above, ranged
 from ..payload import PayloadCodec
+from ..selection import count_for_ratio, topk_abs
 from ..transport import Transport
 from ._base import CodedAllreduce
-from ._sparse_collectives import (
+from .collectives import (
     StepStats,
     allgather_bytes,
     counted_allreduce,
@@ -59,13 +60,34 @@ PHASES = ("dense", "reduce", "gather", "threshold", "regions")
 LOCAL_BAND = (2 / 3, 5 / 4)  # nudge theta_local when the local count leaves [2k/3, 5k/4]
 GLOBAL_BAND = (2 / 3, 4 / 3)  # nudge theta_global when the global count leaves [2k/3, 4k/3]
 GUARD_BAND = (1 / 2, 3 / 2)  # recompute a reused threshold at once outside [k/2, 3k/2]
-DEFAULTS = {
-    "warmup": 0,
-    "threshold_interval": 32,
-    "region_interval": 64,
-    "local_scale": 1.012,
-    "global_scale": 1.008,
-}
+PARAMS = (
+    ranged("oktopk_warmup", 0, "Ok-Topk's dense steps before sparsifying", int_at_least(0)),
+    ranged(
+        "oktopk_threshold_interval",
+        32,
+        "Ok-Topk's tau: steps between exact threshold recomputations",
+        int_at_least(1),
+    ),
+    ranged(
+        "oktopk_region_interval",
+        64,
+        "Ok-Topk's tau': steps between balanced region recomputations",
+        int_at_least(1),
+    ),
+    ranged(
+        "oktopk_local_scale",
+        1.012,
+        "Ok-Topk's nudge factor of the local threshold",
+        number_above(1),
+    ),
+    ranged(
+        "oktopk_global_scale",
+        1.008,
+        "Ok-Topk's nudge factor of the global threshold",
+        number_above(1),
+    ),
+)
+DEFAULTS: dict[str, Any] = {p.key.removeprefix("oktopk_"): p.default for p in PARAMS}
 
 
 def check_params(
@@ -76,35 +98,9 @@ def check_params(
     global_scale: float,
 ) -> None:
     """ValueError naming the key (as grace_from_params spells it) of the first invalid value."""
-    for key, value, ok, rule in [
-        ("warmup", warmup, isinstance(warmup, int) and warmup >= 0, "an int >= 0"),
-        (
-            "threshold_interval",
-            threshold_interval,
-            isinstance(threshold_interval, int) and threshold_interval >= 1,
-            "an int >= 1",
-        ),
-        (
-            "region_interval",
-            region_interval,
-            isinstance(region_interval, int) and region_interval >= 1,
-            "an int >= 1",
-        ),
-        (
-            "local_scale",
-            local_scale,
-            isinstance(local_scale, (int, float)) and local_scale > 1,
-            "a number > 1",
-        ),
-        (
-            "global_scale",
-            global_scale,
-            isinstance(global_scale, (int, float)) and global_scale > 1,
-            "a number > 1",
-        ),
-    ]:
-        if not ok:
-            raise ValueError(f"oktopk_{key} must be {rule}, got {value!r}")
+    values = (warmup, threshold_interval, region_interval, local_scale, global_scale)
+    for param, value in zip(PARAMS, values):
+        param.validate(value)
 
 
 def _kth_magnitude(tensor: torch.Tensor, k: int) -> float:
@@ -155,7 +151,8 @@ class OkTopk(CodedAllreduce):
         self._offsets: dict[str, list[int]] = {}
 
     def region_offsets(self, name: str) -> list[int] | None:
-        """The P+1 region boundaries currently used for `name` (None before the first sparse step)."""
+        """The P+1 region boundaries currently used for `name` (None before the first sparse
+        step)."""
         return self._offsets.get(name)
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:

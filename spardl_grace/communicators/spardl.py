@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from ..api import Compressor, Memory, communication_dtype
-from ..compressors._sparse import topk_abs
 from ..payload import PayloadCodec
+from ..selection import topk_abs
 from ..transport import Transport
 from ._base import CodedAllreduce
-from ._sparse_collectives import StepStats, bruck_allgather
+from .collectives import StepStats, bruck_allgather
 from .schedules import srs_schedule
 
 PHASES = ("srs", "cross", "sag")

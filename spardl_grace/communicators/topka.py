@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..compressors._sparse import count_for_ratio, topk_abs
+from ..selection import count_for_ratio, topk_abs
 from ._base import CodedAllreduce
-from ._sparse_collectives import StepStats, allgather_bytes
+from .collectives import StepStats, allgather_bytes
 
 PHASES = ("gather",)
 # Gaussian-k's refinement (reference code): up to 3 corrections while the count is outside

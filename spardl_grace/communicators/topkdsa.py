@@ -23,10 +23,10 @@ import math
 
 import torch
 
-from ..compressors._sparse import count_for_ratio, topk_abs
+from ..selection import count_for_ratio, topk_abs
 from ..transport.base import as_bytes, from_bytes
 from ._base import CodedAllreduce
-from ._sparse_collectives import StepStats, allgather_bytes, split_and_reduce
+from .collectives import StepStats, allgather_bytes, split_and_reduce
 
 PHASES = ("reduce", "gather")
 

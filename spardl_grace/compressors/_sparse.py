@@ -2,88 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from ..buffers import Scratch
-
-
-def count_for_ratio(numel: int, ratio: float) -> int:
-    """How many entries a ratio keeps: at least one of a non-empty tensor (GRACE's rule)."""
-    return min(numel, max(1, int(numel * ratio))) if numel else 0
-
-
-PREFILTER_MIN_NUMEL = 1 << 16  # below this torch.topk is as fast as the prefilter
-PREFILTER_SAMPLE = 1 << 14
-PREFILTER_MARGIN = 1.5  # aim the threshold at about 1.5 k candidates
-WORDWISE_MAX_FRACTION = 0.02  # sparse_nonzero's word scan pays off below this share of trues
-
-
-def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
-    """torch.nonzero(mask).reshape(-1) for a 1-D contiguous bool mask on a CPU: the same
-    ascending int64 indices. Where few entries are true (a few percent, as in the top-k
-    prefilter), it first finds the 8-byte words of the mask that hold any true entry and looks
-    inside those only: 2.4x faster than torch.nonzero at 1.5% on the benchmark machine, slower
-    above about 4%."""
-    n = mask.numel()
-    head = n - n % 8
-    if (
-        mask.device.type != "cpu"
-        or not mask.is_contiguous()
-        or mask.storage_offset() % 8
-        or head == 0
-    ):
-        return torch.nonzero(mask).reshape(-1)
-    flags = mask.view(torch.uint8)
-    words = flags[:head].view(torch.int64)
-    hit = torch.nonzero(words).reshape(-1)
-    inside = torch.nonzero(words.index_select(0, hit).view(torch.uint8)).reshape(-1)
-    found = hit[inside >> 3] * 8 + (inside & 7)
-    if head == n:
-        return found
-    return torch.cat([found, torch.nonzero(flags[head:]).reshape(-1) + head])
-
-
-def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torch.Tensor:
-    """Indices (int64) of the k largest |flat|, in no particular order.
-
-    For large tensors and k <= n/8, a threshold t is first estimated from an evenly strided
-    sample so that about 1.5 k entries have |x| >= t, and torch.topk runs over those
-    candidates only. Whenever at least k entries pass, the candidates hold every entry of the
-    top k, so the result is the exact top-k (ties at the k-th magnitude may be broken
-    differently); otherwise the full torch.topk runs. On a CPU this is several times faster
-    than torch.topk over all entries (benchmarks.comm measures it). With `scratch`, the
-    magnitudes and the candidate mask are written into its buffers instead of new tensors
-    (same result)."""
-    n = flat.numel()
-    if k >= n:
-        return torch.arange(n, device=flat.device)
-    if scratch is None:
-        magnitudes = flat.abs()
-    else:
-        magnitudes = torch.abs(flat, out=scratch.get("magnitudes", n, flat.dtype, flat.device))
-    if n >= PREFILTER_MIN_NUMEL and k <= n // 8:
-        stride = n // PREFILTER_SAMPLE
-        sample = magnitudes[::stride]
-        rank = min(sample.numel(), math.ceil(sample.numel() * PREFILTER_MARGIN * k / n) + 8)
-        threshold = torch.topk(sample, rank, sorted=False).values.min()
-        if scratch is None:
-            mask = magnitudes >= threshold
-        else:
-            mask = torch.ge(
-                magnitudes, threshold, out=scratch.get("mask", n, torch.bool, flat.device)
-            )
-        if PREFILTER_MARGIN * k <= WORDWISE_MAX_FRACTION * n:
-            candidates = sparse_nonzero(mask)
-        else:
-            candidates = torch.nonzero(mask).reshape(-1)
-        if candidates.numel() >= k:
-            chosen = torch.topk(magnitudes.index_select(0, candidates), k, sorted=False).indices
-            return candidates.index_select(0, chosen)
-    return torch.topk(magnitudes, k, sorted=False).indices
 
 
 def desparsify(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:

@@ -44,5 +44,6 @@ class DgcCompressor(SparseCompressorMixin, Compressor):
         return [flat[indices], indices], (numel, tensor.shape, mask)
 
     def decompress(self, tensors, ctx):
-        """The dense tensor from [values, indices] (ctx also holds the selection mask, which the dgc memory uses)."""
+        """The dense tensor from [values, indices] (ctx also holds the selection mask, which the
+        dgc memory uses)."""
         return super().decompress(tensors, ctx[:2])

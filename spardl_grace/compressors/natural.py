@@ -24,7 +24,7 @@ class NaturalCompressor(Compressor):
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()
         magnitude = flat.abs()
-        mantissa, exponent = torch.frexp(magnitude)  # magnitude = mantissa * 2^exponent
+        _, exponent = torch.frexp(magnitude)  # magnitude = mantissa * 2^exponent
         low_exp = exponent - 1  # 2^low_exp <= magnitude < 2^(low_exp+1)
         low = torch.ldexp(torch.ones_like(magnitude), low_exp)
         g = generator("cpu", "natural", self.seed, self.rank, name, self.next_step(name))

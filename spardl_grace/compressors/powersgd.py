@@ -39,11 +39,12 @@ class PowerSGDCompressor(Compressor):
         if q is None or q.shape != (cols, r):
             g = generator("cpu", "powersgd", self.seed, name)
             q = torch.randn(cols, r, generator=g).to(matrix.device)
-        world = self.transport.size
-        p = self.transport.allreduce(matrix @ q, f"powersgd.{name}.p") / world
+        transport = self.bound_transport
+        world = transport.size
+        p = transport.allreduce(matrix @ q, f"powersgd.{name}.p") / world
         p = orthogonalize(p)
         q_local = matrix.t() @ p
-        q = self.transport.allreduce(q_local, f"powersgd.{name}.q") / world
+        q = transport.allreduce(q_local, f"powersgd.{name}.q") / world
         self.q_memory[name] = q
         return [], (p, q, q_local, tensor.shape, tensor.dtype)
 

@@ -5,8 +5,9 @@ positions without exchanging them (all-reduce compatible). Never touches the glo
 import torch
 
 from ..api import Compressor
+from ..selection import count_for_ratio
 from ..utils.seeding import generator
-from ._sparse import count_for_ratio, desparsify
+from ._sparse import desparsify
 
 
 class RandomKCompressor(Compressor):

@@ -1,6 +1,8 @@
 """'signum': signSGD on a momentum m <- (1 - momentum) g + momentum m kept per name; sends the
 sign of m as uint8, aggregates by majority vote (average=False)."""
 
+import torch
+
 from ..api import Compressor
 from .signsgd import SignSGDCompressor, majority_vote
 
@@ -11,7 +13,7 @@ class SignumCompressor(SignSGDCompressor):
     def __init__(self, momentum: float):
         super().__init__()
         self.momentum = momentum
-        self.momentums = {}
+        self.momentums: dict[str, torch.Tensor] = {}
 
     def compress(self, tensor, name):
         if name in self.momentums:

@@ -2,7 +2,8 @@
 [values, int64 indices] (exact top-k, GRACE's wire format)."""
 
 from ..api import Compressor
-from ._sparse import SparseCompressorMixin, count_for_ratio, topk_abs
+from ..selection import count_for_ratio, topk_abs
+from ._sparse import SparseCompressorMixin
 
 
 class TopKCompressor(SparseCompressorMixin, Compressor):

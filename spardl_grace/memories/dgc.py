@@ -21,7 +21,8 @@ class DgcMemory(Memory):
     def compensate(self, tensor, name):
         if self.gradient_clipping:
             sq = (tensor.float() ** 2).sum().reshape(1)
-            mean_sq = self.transport.allreduce(sq, f"dgc_clip.{name}") / self.transport.size
+            transport = self.bound_transport
+            mean_sq = transport.allreduce(sq, f"dgc_clip.{name}") / transport.size
             bound = mean_sq.sqrt().to(tensor.dtype)
             tensor = torch.maximum(torch.minimum(tensor, bound), -bound)
         velocity = self.velocities.get(name)

@@ -66,7 +66,7 @@ class ResidualMemory(Memory):
     ) -> torch.Tensor:
         tensor = tensor.to(communication_dtype(tensor.dtype))
         if self.local_clip_norm is not None:
-            tensor = self._clip(tensor)
+            tensor = self._clip(tensor, self.local_clip_norm)
         if self.momentum_correction:
             velocity = self.velocities.get(name)
             if velocity is not None:
@@ -100,9 +100,9 @@ class ResidualMemory(Memory):
                 f"{tuple(tensor.shape)}: one name must always carry the same tensor"
             )
 
-    def _clip(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _clip(self, tensor: torch.Tensor, clip_norm: float) -> torch.Tensor:
         size = self.transport.size if self.transport is not None else 1
-        bound = self.local_clip_norm / math.sqrt(size)
+        bound = clip_norm / math.sqrt(size)
         norm = torch.linalg.vector_norm(tensor)
         # A tensor-valued factor keeps the clip free of a device-to-host sync.
         return tensor * torch.clamp(bound / (norm + 1e-12), max=1.0)

@@ -36,7 +36,9 @@ class _World:
     def __init__(self, size: int, timeout: float):
         self.size = size
         self.timeout = timeout
-        self.queues = {(s, d): queue.Queue() for s in range(size) for d in range(size)}
+        self.queues: dict[tuple[int, int], queue.Queue[Any]] = {
+            (s, d): queue.Queue() for s in range(size) for d in range(size)
+        }
         self.failed = threading.Event()
 
 
@@ -75,7 +77,7 @@ class LocalTransport(Transport):
                     raise TransportTimeout(
                         f"rank {self.rank}: no message from rank {src} for '{name}' "
                         f"within {self.timeout:.1f}s"
-                    )
+                    ) from None
         if got_name != name:
             raise TransportError(
                 f"rank {self.rank}: expected '{name}' from rank {src}, got '{got_name}' "

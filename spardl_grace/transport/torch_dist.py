@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ class TorchDistTransport(Transport):
         n_in = torch.empty(1, dtype=torch.int64, device=self._device)
         self._p2p([(dist.isend, n_out, dst), (dist.irecv, n_in, src)], name)
         received = torch.empty(int(n_in.item()), dtype=tensor.dtype, device=self._device)
-        ops = []
+        ops: list[tuple[Callable[..., Any], torch.Tensor, int]] = []
         if out.numel():
             ops.append((dist.isend, out, dst))
         if received.numel():

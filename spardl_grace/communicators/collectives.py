@@ -1,4 +1,6 @@
-"""Building blocks shared by the sparse all-reduces."""
+"""Building blocks shared by the sparse all-reduces: counted collectives (bytes per phase
+into a StepStats), the Bruck all-gather of framed pieces, the sparse reduce-scatter by
+regions, and the distributed radix select of the k-th magnitude over all ranks."""
 
 from __future__ import annotations
 
@@ -197,11 +199,13 @@ class StepStats:
         )
 
     def add_bytes(self, phase: str, payload: int, framing: int = 0) -> None:
+        """Count `payload` bytes (entries) and `framing` bytes (headers) sent in `phase`."""
         self.payload_bytes[phase] += payload
         self.framing_bytes[phase] += framing
 
     @contextmanager
     def timer(self, what: str) -> Iterator[None]:
+        """Add the seconds the block takes to `what` ('selection_s', 'coding_s', 'comm_s')."""
         start = time.perf_counter()
         try:
             yield
@@ -209,6 +213,8 @@ class StepStats:
             self.seconds[what] += time.perf_counter() - start
 
     def as_dict(self) -> dict[str, float]:
+        """Flat statistics: '<phase>_payload_bytes', '<phase>_framing_bytes',
+        '<phase>_entries', the seconds, and 'bytes_sent' (payload and framing, all phases)."""
         out: dict[str, float] = {}
         for phase, n in self.payload_bytes.items():
             out[f"{phase}_payload_bytes"] = n
