@@ -10,28 +10,29 @@ after the first iteration. The hook names a bucket by its parameters instead, la
 one canonical order (reverse registration order, as DistributedOptimizer does) whatever DDP's
 order, and keeps the memory's residuals per parameter (spardl_grace.sync), so a rebuild
 neither loses nor misplaces them, and a bucket holding the same parameters as one of
-DistributedOptimizer's is synchronised bit for bit like it. DDP's own bucket size (bucket_cap_mb) decides the fusion: pass a large
-bucket_cap_mb to DistributedDataParallel to give SparDL the whole model in one buffer.
+DistributedOptimizer's is synchronised bit for bit like it. DDP's own bucket size
+(bucket_cap_mb) decides the fusion: pass a large bucket_cap_mb to DistributedDataParallel to
+give SparDL the whole model in one buffer.
 
-The hook returns at once with a pending future and a communication thread synchronises the
-bucket, so DDP's backward goes on computing the next buckets' gradients meanwhile, as with
-DDP's own all-reduce. Buckets are synchronised one at a time in DDP's bucket order, which is
-the same on every rank. The last bucket's hook waits until every bucket of the step is done:
-DDP issues its own collectives (the map of unused parameters) right after it, and they must
-not race the thread's on the same process group; by then backward has nothing left to overlap.
+The hook returns at once with a pending future (GradientSync.submit(...).then(back into
+DDP's layout)), and GradientSync's communication thread synchronises the bucket, so DDP's
+backward goes on computing the next buckets' gradients meanwhile, as with DDP's own
+all-reduce. Buckets are synchronised one at a time in DDP's bucket order, which is the same on
+every rank. The last bucket's hook waits until every bucket of the step is done: DDP issues
+its own collectives (the map of unused parameters) right after it, and they must not race the
+thread's on the same process group; by then backward has nothing left to overlap.
 """
 
 # No `from __future__ import annotations`: DDP compares comm_hook's annotations with the real
 # types (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .api import Communicator
-from .sync import Bucket, GradientSync, communication_thread
+from .sync import Bucket, GradientSync, settle
 
 
 class CommHookState:
@@ -61,9 +62,7 @@ class CommHookState:
         named = list(inner.named_parameters())
         self.names = {p: n for n, p in named}
         self.position = {p: i for i, (_, p) in enumerate(named)}
-        self.sync = GradientSync(grace, dense_warmup_steps, min_numel)
-        self._executor = communication_thread(grace, overlap, "spardl-ddp-comm")
-        self._step_error: BaseException | None = None
+        self.sync = GradientSync(grace, dense_warmup_steps, min_numel, overlap, "spardl-ddp-comm")
 
     def canonical(self, params: list[torch.Tensor]) -> tuple[Bucket, list[int]]:
         """The bucket of `params` in reverse registration order, and that order as indices
@@ -95,66 +94,42 @@ class CommHookState:
 def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's gradients averaged over ranks by state's grace
     communicator (dense during warm-up and for small buckets), in the bucket's dtype. The
-    future is pending while the communication thread works on it (see the module docstring)."""
+    future is pending while the communication thread works on it (see the module docstring).
+    """
     buffer = bucket.buffer()
     params = bucket.parameters()
     canonical, order = state.canonical(params)
-    last = bucket.is_last()
-    work = functools.partial(
-        _synchronize_into, state, buffer, [p.numel() for p in params], canonical, order, last
+    ddp_parts = torch.split(buffer, [p.numel() for p in params])
+    reordered = order != sorted(order)
+    flat = torch.cat([ddp_parts[j] for j in order]) if reordered else buffer
+    future = state.sync.submit(flat, canonical).then(
+        functools.partial(_in_ddp_layout, buffer, ddp_parts, order, canonical, reordered)
     )
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    if state._executor is None:
-        future.set_result(work())
-        return future
-    done = state._executor.submit(_fulfil, state, future, last, work)
-    if last:
-        done.result()
+    if bucket.is_last():
+        state.sync.end_step()
+        settle(future)  # its copy back into DDP's layout too, before DDP's own collectives
     return future
 
 
-def _fulfil(
-    state: CommHookState, future: torch.futures.Future, last: bool, work: Callable[[], torch.Tensor]
-) -> None:
-    """Run `work` on the communication thread and settle `future` with its outcome. After a
-    bucket fails, the step's later buckets fail with the same error at once instead of each
-    waiting out the transport's timeout."""
-    try:
-        if state._step_error is not None:
-            raise state._step_error
-        future.set_result(work())
-    except BaseException as exc:
-        state._step_error = exc
-        future.set_exception(exc)
-    finally:
-        if last:
-            state._step_error = None
-
-
-def _synchronize_into(
-    state: CommHookState,
+def _in_ddp_layout(
     buffer: torch.Tensor,
-    numels: list[int],
-    canonical: Bucket,
+    ddp_parts: tuple[torch.Tensor, ...],
     order: list[int],
-    last: bool,
+    canonical: Bucket,
+    reordered: bool,
+    synchronized: torch.futures.Future[torch.Tensor],
 ) -> torch.Tensor:
-    """The average of DDP's bucket `buffer` (parameters of `numels` in DDP's order), laid out
-    as `buffer` and in its dtype.
+    """The average of DDP's bucket, laid out as `buffer` (parameters in DDP's order) and in
+    its dtype.
 
     In DDP's layout the communicator's result is returned as it is, without a copy into
     `buffer`: DDP copies the future's tensor into the gradients before backward returns (its
     reducer copies from a hook's result unless it is the bucket buffer itself), and the
     communicator reuses that storage (reuse_results) only at the next step. A reordered bucket
     is written back into `buffer` in DDP's order."""
-    ddp_parts = torch.split(buffer, numels)
-    reordered = order != sorted(order)
-    flat = torch.cat([ddp_parts[j] for j in order]) if reordered else buffer
-    result = state.sync.synchronize(flat, canonical)
+    result = synchronized.value()
     if reordered:
-        for j, part in zip(order, torch.split(result, canonical.numels)):
+        for j, part in zip(order, torch.split(result, list(canonical.numels))):
             ddp_parts[j].copy_(part)
         result = buffer
-    if last:
-        state.sync.end_step()
     return result.to(buffer.dtype)

@@ -17,17 +17,16 @@ deadlock. step() waits for the results, writes the averages into .grad, and step
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .api import Communicator, communication_dtype
 from .buffers import BufferPool
 from .fusion import assign_grads, flatten_grads
-from .sync import Bucket, GradientSync, communication_thread
+from .sync import Bucket, GradientSync
 
 
 def plan_buckets(
@@ -45,7 +44,8 @@ def plan_buckets(
     buckets = []
     for (_, dtype), members in groups.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
-        current, size = [], 0
+        current: list[tuple[str, torch.nn.Parameter]] = []
+        size = 0
         for name, p in members:
             if current and size + p.numel() * itemsize > cap:
                 buckets.append(current)
@@ -116,17 +116,16 @@ class _DistributedOptimizer:
             raise ValueError(
                 f"bucket_cap_mb must be > 0 or None (one bucket), got {bucket_cap_mb!r}"
             )
-        self._sync = GradientSync(grace, dense_warmup_steps, min_numel)
+        self._sync = GradientSync(grace, dense_warmup_steps, min_numel, overlap, "spardl-comm")
         self.backward_passes_per_step = backward_passes_per_step
         self._slots = [_BucketSlot(m) for m in plan_buckets(named, bucket_cap_mb)] if named else []
         self._slot_of = {p: i for i, slot in enumerate(self._slots) for p in slot.params}
         self._names = {p: n for n, p in named}
         self._passes = dict.fromkeys(self._slot_of, 0)
-        self._pending: list[concurrent.futures.Future] = []
+        self._pending: list[torch.futures.Future[torch.Tensor]] = []
         self._flat_pool = BufferPool()  # each bucket's flat gradients, reused once released
         self._synchronized = False
         self._should_synchronize = True
-        self._executor = communication_thread(grace, overlap, "spardl-comm")
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._slot_of
         ]
@@ -160,7 +159,8 @@ class _DistributedOptimizer:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        """Launch, in bucket order, every bucket whose turn has come and whose gradients are all in."""
+        """Launch, in bucket order, every bucket whose turn has come and whose gradients are
+        all in."""
         while len(self._pending) < len(self._slots):
             slot = self._slots[len(self._pending)]
             if slot.ready < len(slot.params):
@@ -176,15 +176,7 @@ class _DistributedOptimizer:
             else None
         )
         flat = flatten_grads(slot.params, slot.dtype, out)
-        if self._executor is not None:
-            self._pending.append(self._executor.submit(self._sync.synchronize, flat, slot.bucket))
-            return
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            future.set_result(self._sync.synchronize(flat, slot.bucket))
-        except BaseException as exc:  # delivered by synchronize(), like a thread's failure
-            future.set_exception(exc)
-        self._pending.append(future)
+        self._pending.append(self._sync.submit(flat, slot.bucket))
 
     def synchronize(self) -> None:
         """Finish this step's communication and write the averaged gradients into .grad.
@@ -194,13 +186,13 @@ class _DistributedOptimizer:
             self._launch(self._slots[len(self._pending)])
         try:
             for slot, future in zip(self._slots, self._pending):
-                assign_grads(slot.params, future.result())
+                assign_grads(slot.params, future.wait())
         finally:
             self._pending = []
             for slot in self._slots:
                 slot.ready = 0
             self._passes = dict.fromkeys(self._passes, 0)
-        self._sync.end_step()
+            self._sync.end_step()
         self._synchronized = True
 
     @contextmanager
@@ -217,7 +209,8 @@ class _DistributedOptimizer:
         if self._should_synchronize and not self._synchronized:
             self.synchronize()
         self._synchronized = False
-        return super().step(closure)
+        # The wrapped optimizer's class follows this mixin in the MRO (see DistributedOptimizer).
+        return super().step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pending:
@@ -226,7 +219,8 @@ class _DistributedOptimizer:
                 "synchronize(): the gradients are being communicated. Call "
                 "zero_grad() before backward(), or step()/synchronize() first"
             )
-        super().zero_grad(set_to_none=set_to_none)
+        # The wrapped optimizer's class follows this mixin in the MRO (see DistributedOptimizer).
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
     def compression_state_dict(self) -> dict[str, Any]:
         """This rank's compression state (residuals, step counters, thresholds, warm-up
@@ -292,7 +286,9 @@ def DistributedOptimizer(
         raise ValueError("optimizer is already a DistributedOptimizer")
     _check_momentum(optimizer, grace)
     named = _named(optimizer, named_parameters)
-    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    cls: type[_DistributedOptimizer] = type(
+        optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {}
+    )
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     if hasattr(wrapped, "_patch_step_function"):  # torch's step hooks and profiling
@@ -306,4 +302,4 @@ def DistributedOptimizer(
         min_numel,
         overlap,
     )
-    return wrapped
+    return cast(torch.optim.Optimizer, wrapped)  # cls derives from the optimizer's own class

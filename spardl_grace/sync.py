@@ -128,7 +128,7 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
         for store, parts in saved:
             whole = store.pop(bucket.key, None)
             if outcome.keep and whole is not None:
-                store.update(zip(bucket.names, torch.split(whole.reshape(-1), bucket.numels)))
+                store.update(zip(bucket.names, torch.split(whole.reshape(-1), list(bucket.numels))))
             elif not outcome.keep:
                 store.update((n, p) for n, p in zip(bucket.names, parts) if p is not None)
 
@@ -144,8 +144,24 @@ def communication_thread(
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
 
 
+def settle(future: torch.futures.Future) -> None:
+    """Wait until `future` is complete, without raising the error it may hold: whoever holds
+    the future gets that error when they wait on it."""
+    try:
+        future.wait()
+    except BaseException:
+        return
+
+
 class GradientSync:
-    """Synchronises the buckets of one model with a grace communicator.
+    """Synchronises the buckets of one model with a grace communicator: the asynchronous core
+    that DistributedOptimizer and the DDP hook share.
+
+    submit(flat, bucket) returns a torch.futures.Future at once and a communication thread
+    synchronises the buckets one after another in the order they were submitted (the same on
+    every rank), so the caller's backward pass goes on meanwhile. Once a bucket fails, the
+    step's later buckets fail with the same error at once instead of each waiting out the
+    transport's timeout. end_step() waits for the step's buckets and closes the step.
 
     The first time a bucket is synchronised, the ranks check that they hold the same
     parameters with the same sizes in it (one small collective; ValueError on every rank
@@ -155,10 +171,18 @@ class GradientSync:
     batch) leaves the memory as it was, instead of poisoning the residuals for good.
     dense_warmup_steps: the first steps are plain dense averages (no selection, residuals
     untouched), as DGC-style warm-up. min_numel: buckets smaller than this are always sent
-    dense (a few tiny tensors do not repay selection and headers). `end_step()` marks the end of
-    a training step (all buckets synchronised)."""
+    dense (a few tiny tensors do not repay selection and headers). overlap: synchronise on a
+    communication thread (off, or with an MPI library without MPI_THREAD_MULTIPLE, submit()
+    synchronises before it returns a completed future)."""
 
-    def __init__(self, grace: Communicator, dense_warmup_steps: int = 0, min_numel: int = 0):
+    def __init__(
+        self,
+        grace: Communicator,
+        dense_warmup_steps: int = 0,
+        min_numel: int = 0,
+        overlap: bool = True,
+        thread_name: str = "spardl-comm",
+    ):
         if not isinstance(grace, Communicator):
             raise TypeError(
                 f"grace must be a spardl_grace Communicator (grace_from_params(...)), "
@@ -177,6 +201,38 @@ class GradientSync:
         #: the last step's statistics (bytes, entries, seconds), summed over its buckets
         self.last_stats: dict[str, float] = {}
         self._step_stats: dict[str, float] = {}
+        self._executor = communication_thread(grace, overlap, thread_name)
+        self._pending: list[torch.futures.Future[torch.Tensor]] = []
+        self._step_error: BaseException | None = None
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether submit() returns before the bucket is synchronised (a communication thread)."""
+        return self._executor is not None
+
+    def submit(self, flat: torch.Tensor, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
+        """Synchronise `flat` (the bucket's gradients) as synchronize() does, on the
+        communication thread: the future is pending until the result is there, and holds
+        synchronize()'s exception if it fails. Every rank must submit the same buckets in
+        the same order within a step, then call end_step()."""
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._pending.append(future)
+        if self._executor is None:
+            self._fulfil(future, flat, bucket)
+        else:
+            self._executor.submit(self._fulfil, future, flat, bucket)
+        return future
+
+    def _fulfil(self, future: torch.futures.Future, flat: torch.Tensor, bucket: Bucket) -> None:
+        try:
+            if self._step_error is not None:
+                raise self._step_error
+            result = self.synchronize(flat, bucket)
+        except BaseException as exc:
+            self._step_error = exc
+            future.set_exception(exc)
+            return
+        future.set_result(result)
 
     def is_dense(self, bucket: Bucket) -> bool:
         """Whether `bucket` is synchronised dense this step: during the dense warm-up, or when it
@@ -219,7 +275,16 @@ class GradientSync:
             self._step_stats[key] = self._step_stats.get(key, 0) + value
 
     def end_step(self) -> None:
-        """The step's buckets are all synchronised: its statistics become last_stats."""
+        """Close the step: wait for its submitted buckets; if all succeeded the step counts
+        (steps + 1, its statistics become last_stats), if one failed (its error went to its
+        future) the step is dropped and the next one starts afresh."""
+        for future in self._pending:
+            settle(future)
+        failed = self._step_error is not None
+        self._pending, self._step_error = [], None
+        if failed:
+            self._step_stats = {}
+            return
         self.steps += 1
         self.last_stats, self._step_stats = self._step_stats, {}
 
