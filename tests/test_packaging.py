@@ -66,6 +66,13 @@ def test_one_version_and_a_torch_range(wheel):
     assert extras == {"horovod", "mpi", "wandb", "experiments", "docs", "dev"}
 
 
+def test_setup_py_reads_the_same_metadata():
+    """setup.py is a shim for tools that still run it; the metadata is pyproject.toml's."""
+    out = subprocess.run([sys.executable, "setup.py", "--name", "--version"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[-2:] == ["spardl-grace", spardl_grace.__version__]
+
+
 def _name(requirement: str) -> str:
     """The package name of a requirement specifier ('torch>=2.1' -> 'torch')."""
     return re.split(r"[<>=!~ ;\[]", requirement, maxsplit=1)[0].lower()
