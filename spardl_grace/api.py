@@ -22,6 +22,7 @@ torch.load(weights_only=True).
 
 from __future__ import annotations
 
+import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -205,6 +206,21 @@ def aggregate(compressor: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return combine(tensors) if callable(combine) else Compressor.aggregate(compressor, tensors)
 
 
+def communication_thread(name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """One thread that runs communication in the order it is submitted."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"spardl-{name}")
+
+
+def _fulfil(handle: torch.futures.Future, run: Any, *args: Any) -> None:
+    """Settle `handle` with run(*args) or the exception it raises."""
+    try:
+        result = run(*args)
+    except BaseException as exc:
+        handle.set_exception(exc)
+        return
+    handle.set_result(result)
+
+
 def _resolve_transport(transport: Transport | int | None) -> Transport:
     """GRACE's constructors pass world_size (grace_dl.dist) or nothing (grace_dl.torch, for
     Horovod) where this library takes a transport: then the active backend's transport, which
@@ -264,6 +280,7 @@ class Communicator(ABC):
         _bind(memory, transport)
         self.last_stats: dict[str, float] = {}
         self._agreed: dict[str, int] = {}
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def fingerprint(self, tensor: torch.Tensor, name: str) -> dict[str, Any]:
         """What every rank must share to synchronise `tensor` under `name`: its numel, dtype
@@ -294,22 +311,53 @@ class Communicator(ABC):
         handles, ctx = self.send_step(tensor, name)
         return self.receive_step(handles, ctx)
 
+    def overlap(self, enabled: bool = True) -> bool:
+        """With `enabled`, send_step() returns at once with a pending handle and one
+        communication thread runs the steps in the order they were sent (like Horovod's
+        allreduce_async_), so GRACE's Horovod-style loop overlaps its exchanges with backward;
+        receive_step() waits for the handle. Off (the default), send_step() exchanges before
+        it returns. A transport that cannot be used from another thread (an MPI library
+        without MPI_THREAD_MULTIPLE) keeps it off. Returns whether it is on. Every rank must
+        send the same names in the same order either way."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True or False, got {enabled!r}")
+        if enabled and self._executor is None and getattr(self.transport, "thread_safe", True):
+            self._executor = communication_thread(type(self).__name__.lower())
+        elif not enabled and self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        return self._executor is not None
+
     def send_step(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
         """GRACE's Horovod-style first half of step(): check that the ranks agree on `name`,
-        compensate, compress, update the memory, exchange. Returns (handles, ctx) for
-        receive_step(); the exchange has completed when it returns."""
+        compensate, compress, update the memory, exchange. Returns (handle, None): the handle
+        is a torch.futures.Future of the synchronised tensor, for receive_step(). It is
+        complete when send_step() returns, unless overlap() is on: then it is pending while a
+        communication thread exchanges, and holds the step's exception if one is raised."""
+        handle: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        if self._executor is None:
+            handle.set_result(self.synchronize(tensor, name))
+        else:
+            self._executor.submit(_fulfil, handle, self.synchronize, tensor, name)
+        return handle, None
+
+    def receive_step(self, handles: Any, ctx: Any) -> torch.Tensor:
+        """GRACE's Horovod-style second half of step(): the synchronised tensor, once
+        send_step()'s handle holds it (its exception if the step failed)."""
+        if isinstance(handles, torch.futures.Future):
+            return handles.wait()
+        return handles
+
+    def synchronize(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """One whole step, here and now: check that the ranks agree on `name`, compensate,
+        compress, update the memory, exchange, decompress and aggregate."""
         self.agree(tensor, name)
         compensated = self.memory.compensate(tensor, name)
         tensors, ctx = self.compressor.compress(compensated, name)
         update = getattr(self.memory, "update", None)
         if callable(update):
             update(compensated, name, self.compressor, tensors, ctx)
-        return self.send_receive(tensors, name, ctx), ctx
-
-    def receive_step(self, handles: Any, ctx: Any) -> torch.Tensor:
-        """GRACE's Horovod-style second half of step(): the synchronised tensor from
-        send_step()'s (handles, ctx)."""
-        return handles
+        return self.send_receive(tensors, name, ctx)
 
     @abstractmethod
     def send_receive(self, tensors: list[torch.Tensor], name: str, ctx: Any) -> torch.Tensor:
@@ -400,10 +448,10 @@ class SparseAllreduce(Communicator):
             raise ValueError(f"density (compress_ratio) must be in (0, 1], got {density}")
         self.density = float(density)
 
-    def send_step(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
+    def synchronize(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Check that the ranks agree on `name`, compensate (into the algorithm's own buffer
         where it offers one), run the sparse all-reduce, and hand the memory the residual the
-        all-reduce left. Returns (result shaped like `tensor`, None)."""
+        all-reduce left. Returns the result, shaped like `tensor`."""
         self.agree(tensor, name)
         buffer = self.compensation_buffer(tensor, name)
         if buffer is None:
@@ -413,7 +461,7 @@ class SparseAllreduce(Communicator):
         result, residual = self.reduce(compensated.reshape(-1), name)
         result = result.view(tensor.shape)
         self.memory.store_residual(name, residual.view(tensor.shape), result)
-        return result, None
+        return result
 
     def send_receive(self, tensors, name, ctx):  # pragma: no cover - sparse all-reduces use reduce
         raise NotImplementedError("sparse all-reduces communicate in reduce()")

@@ -133,7 +133,7 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
                 store.update((n, p) for n, p in zip(bucket.names, parts) if p is not None)
 
 
-def communication_thread(
+def bucket_thread(
     grace: Communicator, overlap: bool, name: str
 ) -> concurrent.futures.ThreadPoolExecutor | None:
     """The one thread that synchronises buckets while backward goes on, or None when overlap
@@ -201,7 +201,7 @@ class GradientSync:
         #: the last step's statistics (bytes, entries, seconds), summed over its buckets
         self.last_stats: dict[str, float] = {}
         self._step_stats: dict[str, float] = {}
-        self._executor = communication_thread(grace, overlap, thread_name)
+        self._executor = bucket_thread(grace, overlap, thread_name)
         self._pending: list[torch.futures.Future[torch.Tensor]] = []
         self._step_error: BaseException | None = None
 

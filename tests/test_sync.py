@@ -82,3 +82,45 @@ def test_a_failed_bucket_fails_the_rest_of_its_step_at_once_and_the_next_step_wo
         assert errors[0] == errors[1] and "holds 500 entries, got a buffer of shape (3,)" in errors[0]
         assert after_failure == (0, {})  # the failed step does not count
         assert numels == [500, 700] and steps == 1
+
+
+@pytest.mark.parametrize("params", [
+    ts.params_for("spardl", 0.1),
+    {"compressor": "topk", "memory": "residual", "communicator": "allgather",
+     "compress_ratio": 0.1},
+], ids=["spardl", "grace-allgather"])
+def test_send_step_returns_a_real_handle_when_overlapping(params):
+    """GRACE's Horovod-style send_step/receive_step: with overlap() the handle is pending while
+    the communication thread exchanges, and the results are step()'s, bit for bit."""
+    def fn(t):
+        gate = threading.Event()
+        overlapped = grace_from_params(params, transport=ts._GatedTransport(t, gate))
+        plain = grace_from_params(params, transport=t)
+        assert overlapped.overlap() is True
+        g = torch.Generator().manual_seed(t.rank)
+        grads = [torch.randn(600, generator=g) for _ in range(3)]
+        sent = [overlapped.send_step(x, f"w{i}") for i, x in enumerate(grads)]
+        pending = [not handle.done() for handle, _ in sent]
+        gate.set()
+        got = [overlapped.receive_step(handle, ctx) for handle, ctx in sent]
+        expected = [plain.step(x, f"w{i}") for i, x in enumerate(grads)]
+        handle, ctx = plain.send_step(grads[0], "w0")
+        return pending, got, expected, handle.done(), overlapped.overlap(False)
+
+    for pending, got, expected, plain_done, still_on in run_local(3, fn):
+        assert pending == [True, True, True] and plain_done and not still_on
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_failed_overlapped_step_raises_from_receive_step():
+    def fn(t):
+        grc = grace_from_params(ts.params_for("spardl", 0.1), transport=t)
+        grc.overlap()
+        handle, ctx = grc.send_step(torch.randn(10), "w")
+        grc.receive_step(handle, ctx)
+        bad, ctx = grc.send_step(torch.randn(11), "w")  # another size for the same name
+        with pytest.raises(ValueError, match="one name must always carry the same tensor"):
+            grc.receive_step(bad, ctx)
+        return True
+
+    assert all(run_local(1, fn))
