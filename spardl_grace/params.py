@@ -17,14 +17,46 @@ def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def int_at_least(low: int) -> tuple[Callable[[Any], bool], str]:
+#: (check, rule): a predicate on a value and what it accepts, in words
+Rule = tuple[Callable[[Any], bool], str]
+
+
+def int_at_least(low: int) -> Rule:
     """(check, rule) for an int >= low."""
     return (lambda v: _int(v) and v >= low), f"an int >= {low}"
 
 
-def number_above(low: float) -> tuple[Callable[[Any], bool], str]:
+def number_above(low: float) -> Rule:
     """(check, rule) for a number > low."""
     return (lambda v: _number(v) and v > low), f"a number > {low}"
+
+
+def number_at_least(low: float) -> Rule:
+    """(check, rule) for a number >= low."""
+    return (lambda v: _number(v) and v >= low), f"a number >= {low}"
+
+
+def fraction(low_open: bool) -> Rule:
+    """(check, rule) for a number in (0, 1] (low_open) or in [0, 1)."""
+    if low_open:
+        return (lambda v: _number(v) and 0 < v <= 1), "a number in (0, 1]"
+    return (lambda v: _number(v) and 0 <= v < 1), "a number in [0, 1)"
+
+
+def an_int() -> Rule:
+    """(check, rule) for any int (not a bool)."""
+    return _int, "an int"
+
+
+def boolean() -> Rule:
+    """(check, rule) for True or False."""
+    return (lambda v: isinstance(v, bool)), "True or False"
+
+
+def optional(rule: Rule) -> Rule:
+    """(check, rule) for None (off) or what `rule` accepts."""
+    check, words = rule
+    return (lambda v: v is None or check(v)), f"None (off) or {words}"
 
 
 @dataclass(frozen=True)
@@ -61,9 +93,7 @@ class Param:
         return self.rule
 
 
-def ranged(
-    key: str, default: Any, doc: str, check_rule: tuple[Callable[[Any], bool], str], **more: Any
-) -> Param:
+def ranged(key: str, default: Any, doc: str, check_rule: Rule, **more: Any) -> Param:
     """A Param whose check and rule come as a pair (int_at_least, number_above)."""
     check, rule = check_rule
     return Param(key, default, doc, check=check, rule=rule, **more)

@@ -30,7 +30,17 @@ from .communicators.oktopk import OkTopk
 from .communicators.spardl import SparDL
 from .communicators.topka import GaussianK, TopkA
 from .communicators.topkdsa import TopkDSA
-from .params import Param, int_at_least, number_above, ranged
+from .params import (
+    Param,
+    an_int,
+    boolean,
+    fraction,
+    int_at_least,
+    number_above,
+    number_at_least,
+    optional,
+    ranged,
+)
 from .payload import ChecksummedCodec, IdentityCodec, PayloadCodec
 from .transport import Transport, default_transport
 
@@ -177,21 +187,6 @@ SPARSE_MEMORIES = {"global_residual", "residual", "none"}
 DGC_TECHNIQUE_MEMORIES = {"global_residual", "residual"}
 
 
-def _optional(check_rule: tuple[Callable[[Any], bool], str]) -> tuple[Callable[[Any], bool], str]:
-    check, rule = check_rule
-    return (lambda v: v is None or check(v)), f"None (off) or {rule}"
-
-
-def _fraction(low_open: bool) -> tuple[Callable[[Any], bool], str]:
-    if low_open:
-        return (lambda v: _is_number(v) and 0 < v <= 1), "a number in (0, 1]"
-    return (lambda v: _is_number(v) and 0 <= v < 1), "a number in [0, 1)"
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 PARAMS: tuple[Param, ...] = (
     Param(
         "compressor",
@@ -212,14 +207,14 @@ PARAMS: tuple[Param, ...] = (
         "compress_ratio",
         None,
         "the fraction of entries kept (alias: density)",
-        _fraction(low_open=True),
+        fraction(low_open=True),
         default_doc="0.01 (dgc: 0.3)",
     ),
     ranged(
         "threshold",
         0.01,
         "the threshold compressor's bound on magnitudes",
-        ((lambda v: _is_number(v) and v >= 0), "a number >= 0"),
+        number_at_least(0),
     ),
     ranged(
         "quantum_num",
@@ -227,16 +222,16 @@ PARAMS: tuple[Param, ...] = (
         "quantisation levels (GRACE's qsgd; DeepReduce's qsgd values)",
         ((lambda v: isinstance(v, int) and 1 <= v <= 32767), "an int in 1..32767"),
     ),
-    ranged("momentum", 0.9, "signum's and the dgc memory's momentum", _fraction(low_open=False)),
+    ranged("momentum", 0.9, "signum's and the dgc memory's momentum", fraction(low_open=False)),
     ranged("lr", 0.1, "efsignsgd's step size", number_above(0)),
     ranged(
         "gradient_clipping",
         False,
         "the dgc memory's gradient clipping",
-        ((lambda v: isinstance(v, bool)), "True or False"),
+        boolean(),
     ),
     ranged(
-        "world_size", None, "if given, checked against the transport's", _optional(int_at_least(1))
+        "world_size", None, "if given, checked against the transport's", optional(int_at_least(1))
     ),
     ranged("teams", 1, "SparDL's d (must divide the number of workers)", int_at_least(1)),
     ranged("powersgd_rank", 1, "PowerSGD's rank", int_at_least(1)),
@@ -244,7 +239,7 @@ PARAMS: tuple[Param, ...] = (
         "seed",
         0,
         "shared random draws (randomk positions, PowerSGD's first Q, codecs)",
-        ((lambda v: isinstance(v, int) and not isinstance(v, bool)), "an int"),
+        an_int(),
     ),
     Param(
         "gtopk_residual",
@@ -258,20 +253,20 @@ PARAMS: tuple[Param, ...] = (
         0.0,
         "DGC's momentum correction m for memory global_residual or residual with a sparse "
         "all-reduce (0: off)",
-        ((lambda v: _is_number(v) and 0 <= v < 1), "a number in [0, 1) (0 turns it off)"),
+        (fraction(low_open=False)[0], "a number in [0, 1) (0 turns it off)"),
     ),
     ranged(
         "local_clip_norm",
         None,
         "DGC's local clipping: each worker's gradient to L2 norm c/sqrt(P) before the memory",
-        _optional(number_above(0)),
+        optional(number_above(0)),
     ),
     ranged(
         "checksum",
         False,
         "a CRC-32 on every message of a sparse all-reduce (4 bytes each), so a message changed "
         "on the way raises ValueError (DeepReduce's codecs carry one already)",
-        ((lambda v: isinstance(v, bool)), "True or False"),
+        boolean(),
     ),
     *OKTOPK_PARAMS,
 )
