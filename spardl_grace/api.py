@@ -206,12 +206,18 @@ def aggregate(compressor: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return combine(tensors) if callable(combine) else Compressor.aggregate(compressor, tensors)
 
 
-def communication_thread(name: str) -> concurrent.futures.ThreadPoolExecutor:
-    """One thread that runs communication in the order it is submitted."""
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"spardl-{name}")
+def communication_thread(
+    transport: Transport, name: str
+) -> concurrent.futures.ThreadPoolExecutor | None:
+    """One thread, named `name`, that runs communication in the order it is submitted; None
+    when the transport cannot be used from another thread (an MPI library without
+    MPI_THREAD_MULTIPLE): then the caller communicates itself."""
+    if not getattr(transport, "thread_safe", True):
+        return None
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
 
 
-def _fulfil(handle: torch.futures.Future, run: Any, *args: Any) -> None:
+def fulfil(handle: torch.futures.Future, run: Any, *args: Any) -> None:
     """Settle `handle` with run(*args) or the exception it raises."""
     try:
         result = run(*args)
@@ -321,8 +327,9 @@ class Communicator(ABC):
         send the same names in the same order either way."""
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {enabled!r}")
-        if enabled and self._executor is None and getattr(self.transport, "thread_safe", True):
-            self._executor = communication_thread(type(self).__name__.lower())
+        if enabled and self._executor is None:
+            name = f"spardl-{type(self).__name__.lower()}"
+            self._executor = communication_thread(self.transport, name)
         elif not enabled and self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -338,7 +345,7 @@ class Communicator(ABC):
         if self._executor is None:
             handle.set_result(self.synchronize(tensor, name))
         else:
-            self._executor.submit(_fulfil, handle, self.synchronize, tensor, name)
+            self._executor.submit(fulfil, handle, self.synchronize, tensor, name)
         return handle, None
 
     def receive_step(self, handles: Any, ctx: Any) -> torch.Tensor:

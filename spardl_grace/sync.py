@@ -15,7 +15,6 @@ the algorithms handle as on their first step.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from .agreement import agree
-from .api import Communicator, Memory, communication_dtype
+from .api import Communicator, Memory, communication_dtype, communication_thread, fulfil
 from .communicators.dense import Dense
 from .compressors.none import NoneCompressor
 from .memories.none import NoneMemory
@@ -133,17 +132,6 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
                 store.update((n, p) for n, p in zip(bucket.names, parts) if p is not None)
 
 
-def bucket_thread(
-    grace: Communicator, overlap: bool, name: str
-) -> concurrent.futures.ThreadPoolExecutor | None:
-    """The one thread that synchronises buckets while backward goes on, or None when overlap
-    is off or the transport cannot be used from another thread (an MPI library without
-    MPI_THREAD_MULTIPLE): then buckets are synchronised where they become ready."""
-    if not (overlap and getattr(grace.transport, "thread_safe", True)):
-        return None
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
-
-
 def settle(future: torch.futures.Future) -> None:
     """Wait until `future` is complete, without raising the error it may hold: whoever holds
     the future gets that error when they wait on it."""
@@ -201,7 +189,8 @@ class GradientSync:
         #: the last step's statistics (bytes, entries, seconds), summed over its buckets
         self.last_stats: dict[str, float] = {}
         self._step_stats: dict[str, float] = {}
-        self._executor = bucket_thread(grace, overlap, thread_name)
+        # Without a thread, buckets are synchronised where they become ready.
+        self._executor = communication_thread(grace.transport, thread_name) if overlap else None
         self._pending: list[torch.futures.Future[torch.Tensor]] = []
         self._step_error: BaseException | None = None
 
@@ -218,21 +207,21 @@ class GradientSync:
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._pending.append(future)
         if self._executor is None:
-            self._fulfil(future, flat, bucket)
+            fulfil(future, self._synchronize_in_step, flat, bucket)
         else:
-            self._executor.submit(self._fulfil, future, flat, bucket)
+            self._executor.submit(fulfil, future, self._synchronize_in_step, flat, bucket)
         return future
 
-    def _fulfil(self, future: torch.futures.Future, flat: torch.Tensor, bucket: Bucket) -> None:
+    def _synchronize_in_step(self, flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """synchronize(), failing at once with the step's error when an earlier bucket of the
+        step failed, and recording its own failure as the step's."""
+        if self._step_error is not None:
+            raise self._step_error
         try:
-            if self._step_error is not None:
-                raise self._step_error
-            result = self.synchronize(flat, bucket)
+            return self.synchronize(flat, bucket)
         except BaseException as exc:
             self._step_error = exc
-            future.set_exception(exc)
-            return
-        future.set_result(result)
+            raise
 
     def is_dense(self, bucket: Bucket) -> bool:
         """Whether `bucket` is synchronised dense this step: during the dense warm-up, or when it
