@@ -151,13 +151,18 @@ def codec_from_params(params: dict[str, Any]) -> DeepReduceCodec | None:
     """The payload codec DeepReduce's keys describe (None when 'deepreduce' is None): 'index'
     codes the positions in modes 'index' and 'both', 'value' the values in 'value' and 'both'."""
     p = resolve(params)
-    return None if p["deepreduce"] is None else codec_for_mode(p, p["deepreduce"])
+    return None if p["deepreduce"] is None else _codec(p)
 
 
 def codec_for_mode(params: dict[str, Any], mode: str) -> DeepReduceCodec:
     """The codec of DeepReduce's keys in `params` with 'deepreduce' set to `mode` ('value',
     'index' or 'both')."""
-    p = resolve({**params, "deepreduce": mode})
+    return _codec(resolve({**params, "deepreduce": mode}))
+
+
+def _codec(p: dict[str, Any]) -> DeepReduceCodec:
+    """The codec of resolved keys `p` whose mode is not None."""
+    mode = p["deepreduce"]
     index = INDEX_CODECS[p["index"] if mode in ("index", "both") else "none"](p)
     value = VALUE_CODECS[p["value"] if mode in ("value", "both") else "none"](p)
     return DeepReduceCodec(index, value)

@@ -12,11 +12,12 @@ or truncated message raise ValueError instead of decoding garbage.
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from spardl_grace.payload import crc32
 
 MAGIC = b"DR"
 VERSION = 1
@@ -37,13 +38,6 @@ class Header:
     block_size: int
 
 
-def _crc(*sections: torch.Tensor) -> int:
-    crc = 0
-    for s in sections:
-        crc = zlib.crc32(s.detach().cpu().numpy().tobytes(), crc)
-    return crc
-
-
 def write(header: Header, index_section: torch.Tensor, value_section: torch.Tensor) -> torch.Tensor:
     """One uint8 message: the header, then the index and value sections. ValueError for a
     dtype the wire format cannot name."""
@@ -62,7 +56,7 @@ def write(header: Header, index_section: torch.Tensor, value_section: torch.Tens
         header.block_size,
         index_section.numel(),
         value_section.numel(),
-        _crc(index_section, value_section),
+        crc32(index_section, value_section),
     )
     device = index_section.device
     return torch.cat(
@@ -114,7 +108,7 @@ def read(message: torch.Tensor) -> tuple[Header, torch.Tensor, torch.Tensor]:
         )
     index_section = message[HEADER_BYTES : HEADER_BYTES + n_index]
     value_section = message[HEADER_BYTES + n_index :]
-    if _crc(index_section, value_section) != crc:
+    if crc32(index_section, value_section) != crc:
         raise ValueError("DeepReduce message checksum mismatch (corrupted)")
     if block < 0 or entries > block:
         raise ValueError(f"DeepReduce message claims {entries} entries in a block of {block}")

@@ -268,7 +268,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{args.compressor} is torch's own DDP path: --momentum-correction, "
                     "--local-clip-norm and --deepreduce belong to this library's algorithms")
     else:
-        import deepreduce_compat  # noqa: F401  (registers --deepreduce's keys with the registry)
         from spardl_grace.registry import resolve_params
         try:
             resolve_params(grace_params(args))

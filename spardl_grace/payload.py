@@ -168,7 +168,7 @@ class ChecksummedCodec(PayloadCodec):
             raise ValueError(f"checksummed message of {data.numel()} bytes has no CRC-32")
         body, tail = data[:-CRC_BYTES], data[-CRC_BYTES:]
         (expected,) = _CRC.unpack(tail.cpu().numpy().tobytes())
-        if _crc32(body) != expected:
+        if crc32(body) != expected:
             raise ValueError(
                 f"message '{key}' fails its CRC-32: it was changed on the way "
                 f"({data.numel()} bytes)"
@@ -180,12 +180,16 @@ _CRC = struct.Struct("<I")
 CRC_BYTES = _CRC.size
 
 
-def _crc32(data: torch.Tensor) -> int:
-    return zlib.crc32(data.detach().cpu().numpy().tobytes())
+def crc32(*sections: torch.Tensor) -> int:
+    """The CRC-32 of the bytes of `sections` (uint8 tensors on any device), one after another."""
+    crc = 0
+    for section in sections:
+        crc = zlib.crc32(section.detach().cpu().numpy().tobytes(), crc)
+    return crc
 
 
 def _with_crc(data: torch.Tensor) -> torch.Tensor:
-    crc = torch.frombuffer(bytearray(_CRC.pack(_crc32(data))), dtype=torch.uint8)
+    crc = torch.frombuffer(bytearray(_CRC.pack(crc32(data))), dtype=torch.uint8)
     return torch.cat([data, crc.to(data.device)])
 
 
