@@ -338,6 +338,11 @@ def _codec_of(p: dict[str, Any]) -> PayloadCodec | None:
 
 def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
     """GRACE params with defaults filled in and every value validated."""
+    return _resolve(params)[0]
+
+
+def _resolve(params: dict[str, Any]) -> tuple[dict[str, Any], PayloadCodec | None]:
+    """resolve_params(params), and the codec a registered package's keys in it choose."""
     known = known_keys()
     unknown = set(params) - known
     if unknown:
@@ -366,8 +371,9 @@ def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
         param.validate(p[param.key])
     for keys in _CODEC_KEYS.values():
         p.update(keys.resolve(p))
-    _check_combination(p, coded=_codec_of(p) is not None)
-    return p
+    chosen = _codec_of(p)
+    _check_combination(p, coded=chosen is not None)
+    return p, chosen
 
 
 def _check_combination(p: dict[str, Any], coded: bool) -> None:
@@ -457,18 +463,17 @@ def grace_from_params(
     sparse = params.get("communicator", DEFAULTS["communicator"]) in SPARSE_COMMUNICATORS
     # Objects stand aside while the names are validated; the communicator checks them itself.
     stand_in = {"compressor": "topk" if sparse else "none", "memory": "none"}
-    p = resolve_params({**params, **{key: stand_in[key] for key in given}})
-    chosen = _codec_of(p)
+    p, chosen = _resolve({**params, **{key: stand_in[key] for key in given}})
     if codec is not None and chosen is not None:
         raise ValueError(
             "give the codec as codec= or choose it with a codec package's keys "
             f"({chosen.name}), not both"
         )
     comm = p["communicator"]
-    if codec is not None and comm not in SPARSE_COMMUNICATORS.keys() - {"dense"}:
+    if codec is not None and comm not in SPARSE_ALLREDUCES:
         raise ValueError(
             f"codec= codes the messages of the sparse all-reduces "
-            f"({', '.join(sorted(SPARSE_COMMUNICATORS.keys() - {'dense'}))}); "
+            f"({', '.join(sorted(SPARSE_ALLREDUCES))}); "
             f"communicator {comm!r} sends none"
         )
     # With a GRACE communicator, DeepReduce's keys choose wrappers of the compressor instead
