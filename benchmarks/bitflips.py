@@ -99,9 +99,10 @@ def _steps(transport: Transport, config: dict[str, Any]) -> list[torch.Tensor]:
     return [*results, grc.memory.residuals["w"].clone()]
 
 
-def trial(config: dict[str, Any], victim: int, nth: int, bit: int) -> dict[str, Any]:
-    """One flip in a run of CONFIGS' `config`: its outcome and time to detection."""
-    clean = run_local(WORKERS, _steps, config)
+def trial(config: dict[str, Any], clean: list[list[torch.Tensor]], victim: int, nth: int,
+          bit: int) -> dict[str, Any]:
+    """One flip in a run of CONFIGS' `config`: its outcome (against `clean`, clean_run's
+    results) and time to detection."""
     flips: dict[int, BitFlipTransport] = {}
     raised: dict[int, tuple[BaseException, float]] = {}
     lock = threading.Lock()
@@ -142,16 +143,15 @@ def trial(config: dict[str, Any], victim: int, nth: int, bit: int) -> dict[str, 
     return out
 
 
-def messages_received(config: dict[str, Any]) -> int:
-    """How many messages one rank receives in a clean run (the range of nth)."""
-    counts = run_local(WORKERS, lambda t: _count(t, config))
-    return min(counts)
+def clean_run(config: dict[str, Any]) -> tuple[list[list[torch.Tensor]], int]:
+    """The steps of `config` without a flip (each rank's results and residual), and how many
+    messages the rank that receives fewest gets (the range of nth)."""
+    def counted(t: Transport) -> tuple[list[torch.Tensor], int]:
+        counter = BitFlipTransport(t, nth=-1, bit=0)
+        return _steps(counter, config), counter.received
 
-
-def _count(t: Transport, config: dict[str, Any]) -> int:
-    counter = BitFlipTransport(t, nth=-1, bit=0)
-    _steps(counter, config)
-    return counter.received
+    runs = run_local(WORKERS, counted)
+    return [results for results, _ in runs], min(count for _, count in runs)
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rng = random.Random(args.seed)
     trials: dict[str, list[dict[str, Any]]] = {}
     for name in names:
-        count = messages_received(CONFIGS[name])
-        trials[name] = [trial(CONFIGS[name], rng.randrange(WORKERS), rng.randrange(count),
+        clean, count = clean_run(CONFIGS[name])
+        trials[name] = [trial(CONFIGS[name], clean, rng.randrange(WORKERS), rng.randrange(count),
                               rng.randrange(1 << 30)) for _ in range(args.trials)]
     summary = {name: summarize(t) for name, t in trials.items()}
     print(table(summary))
