@@ -12,7 +12,8 @@ from sparse_checks import (algorithm_messages, check_consistent_and_conserving,
                            check_exact_dense_average, run_steps, sent_bytes)
 from spardl_grace import grace_from_params, run_local
 from spardl_grace.buffers import Scratch
-from spardl_grace.communicators.collectives import StepStats, global_kth_magnitude
+from spardl_grace.communicators.collectives import global_kth_magnitude
+from spardl_grace.communicators.exchange import Exchange
 from spardl_grace.selection import topk_abs
 from spardl_grace.sync import Bucket, GradientSync
 from spardl_grace.payload import frame_overhead
@@ -280,12 +281,16 @@ def test_global_kth_magnitude_is_exact(dtype):
     pieces = [torch.randn(50 + 7 * r, generator=torch.Generator().manual_seed(r)).to(dtype)
               for r in range(size)]
     everything = torch.cat(pieces).abs()
+
+    def kth(t, k):
+        ex = Exchange(t, "x")
+        with ex.phase("threshold"):
+            return global_kth_magnitude(ex, pieces[t.rank], k)
     for k in (1, 2, 17, everything.numel()):
         expected = torch.sort(everything, descending=True).values[k - 1]
-        got = run_local(size, lambda t: global_kth_magnitude(t, pieces[t.rank], k, "x", StepStats()))
+        got = run_local(size, kth, k)
         assert all(g.dtype == dtype and g == expected for g in got), (k, got, expected)
-    got = run_local(size, lambda t: global_kth_magnitude(t, pieces[t.rank], everything.numel() + 1,
-                                                         "x", StepStats()))
+    got = run_local(size, kth, everything.numel() + 1)
     assert all(g == 0 for g in got)
 
 

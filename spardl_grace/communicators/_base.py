@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from ..api import Compressor, Memory, SparseAllreduce
 from ..buffers import BufferPool, Scratch
 from ..payload import IdentityCodec, PayloadCodec
 from ..transport import Transport
+from .exchange import Exchange
 
 
 class CodedAllreduce(SparseAllreduce):
@@ -17,7 +19,14 @@ class CodedAllreduce(SparseAllreduce):
     given; DeepReduce codecs plug in here), with a per-name step counter that keys shared
     randomness and periodic work, and is part of the checkpointed state. Selection's temporaries
     live in `scratch`, reused from step to step; buffers that leave a step (residuals) come
-    from `pool`."""
+    from `pool`.
+
+    reduce() runs a step: it advances the step counter, creates the step's Exchange (which
+    names, counts and times its messages), answers an empty tensor itself, and keeps the
+    Exchange's statistics as last_stats; subclasses write sparse_allreduce() against the
+    Exchange and declare the phases their statistics report in PHASES."""
+
+    PHASES: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -32,6 +41,24 @@ class CodedAllreduce(SparseAllreduce):
         self._steps: dict[str, int] = {}
         self.scratch = Scratch()  # per-step temporaries of selection, reused
         self.pool = BufferPool()  # gradient-sized buffers handed out, reused once released
+
+    def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.next_step(name)
+        ex = Exchange(self.transport, f"{name}.{step}", self.PHASES, self.codec)
+        if tensor.numel() == 0:
+            result, residual = tensor.clone(), tensor.clone()
+        else:
+            result, residual = self.sparse_allreduce(tensor, name, step, ex)
+        self.last_stats = ex.stats.as_dict()
+        return result, residual
+
+    @abstractmethod
+    def sparse_allreduce(
+        self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the algorithm on the non-empty flat compensated `tensor` (step `step`
+        of `name`): (the average every rank applies, this rank's new residual), exchanged
+        through `ex`."""
 
     def zeros_for_result(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """Zeros shaped like the flat `like`, for this step's result of `name`: a new tensor, or,

@@ -11,7 +11,7 @@ import torch
 
 from ..api import Compressor, Memory, SparseAllreduce
 from ..transport import Transport
-from .collectives import StepStats, dense_average
+from .exchange import Exchange
 
 
 class Dense(SparseAllreduce):
@@ -24,9 +24,10 @@ class Dense(SparseAllreduce):
         self._zeros: dict[str, torch.Tensor] = {}
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        stats = StepStats(("dense",))
-        result = dense_average(self.transport, tensor, f"dense.{name}", stats)
-        self.last_stats = stats.as_dict()
+        ex = Exchange(self.transport, name, ("dense",))
+        with ex.phase("dense"):
+            result = ex.dense_average(tensor)
+        self.last_stats = ex.stats.as_dict()
         return result, self._zero_residual(name, tensor)
 
     def _zero_residual(self, name: str, like: torch.Tensor) -> torch.Tensor:

@@ -41,9 +41,9 @@ from ..selection import count_for_ratio, topk_abs
 from ..transport import Transport
 from ..utils import bitpack
 from ._base import CodedAllreduce
-from .collectives import StepStats, realign
+from .collectives import realign
+from .exchange import Exchange
 
-PHASES = ("fold", "merge", "final")
 RESIDUAL_RULES = ("exact", "paper")
 
 
@@ -65,6 +65,8 @@ def _sorted(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, 
 class GTopk(CodedAllreduce):
     """The 'gtopk' communicator. residual_rule: 'exact' (conserves mass, default) or 'paper'."""
 
+    PHASES = ("fold", "merge", "final")
+
     def __init__(
         self,
         compressor: Compressor,
@@ -85,134 +87,75 @@ class GTopk(CodedAllreduce):
         self.butterfly = 1 << (size.bit_length() - 1)  # p: the largest power of two <= P
         self.extra = size - self.butterfly
 
-    def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        stats = StepStats(PHASES)
-        step = self.next_step(name)
-        n, me = tensor.numel(), self.transport.rank
-        if n == 0:
-            self.last_stats = stats.as_dict()
-            return tensor.clone(), tensor.clone()
-        key = f"{name}.{step}"
+    def sparse_allreduce(
+        self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, me = tensor.numel(), ex.rank
         k = count_for_ratio(n, self.density)
-        with stats.timer("selection_s"):
+        with ex.selecting():
             chosen = torch.sort(topk_abs(tensor, k, self.scratch)).values
-        with stats.timer("coding_s"):
-            own = self.codec.encode(tensor, chosen, f"{key}.select.{me}")
+        own = ex.encode(tensor, chosen, f"select.{me}")
         own_idx, own_vals = _sorted(own.indices, own.values)
         current = _Set(own_idx, own_vals, own_vals.clone(), None)
 
-        current = self._fold(current, own.data, n, k, key, stats)
+        with ex.phase("fold"):
+            current = self._fold(ex, current, own.data, n, k)
         final = None
-        for i in range(self.butterfly.bit_length() - 1):
+        with ex.phase("merge"):
+            for i in range(self.butterfly.bit_length() - 1):
+                if me < self.butterfly:
+                    current = self._merge_round(ex, current, i, n, k)
+                else:  # folded ranks wait, but still enter every op (Horovod needs all ranks)
+                    _send_to(ex, None, None, i)
+        with ex.phase("final"):
             if me < self.butterfly:
-                current = self._merge_round(current, i, n, k, key, stats)
-            else:  # folded ranks wait, but still enter every op (Horovod needs all ranks)
-                self._send_to(None, None, f"merge.{key}.{i}", stats, "merge")
-        if me < self.butterfly:
-            final = self._final_coding(current, n, key, stats)
-        final_idx, final_vals, credit = self._deliver(final, own_idx, own_vals, n, key, stats)
+                final = self._final_coding(ex, current, n)
+            final_idx, final_vals, credit = self._deliver(ex, final, own_idx, own_vals, n)
 
         result = self.zeros_for_result(name, tensor)
-        result[final_idx] = final_vals / self.transport.size
+        result[final_idx] = final_vals / ex.size
         residual = tensor.clone()
         if self.residual_rule == "exact":
             residual[final_idx] -= credit
         else:
             residual[chosen[torch.isin(chosen, final_idx)]] = 0
-        self.last_stats = stats.as_dict()
         return result, residual
-
-    def _send_to(
-        self,
-        peer: int | None,
-        data: torch.Tensor | None,
-        name: str,
-        stats: StepStats,
-        phase: str,
-        expected: int | None = 0,
-    ) -> torch.Tensor:
-        """One step of a pairwise exchange in which only some ranks take part: every rank calls
-        sendrecv (Horovod needs all ranks in every op); idle ranks talk to themselves.
-        expected: the bytes the peer sends (0 unless given; None: unknown, sizes travel)."""
-        me = self.transport.rank
-        out = data if data is not None else torch.empty(0, dtype=torch.uint8)
-        peer = me if peer is None else peer
-        if peer != me:
-            stats.add_bytes(phase, out.numel())
-        else:
-            expected = 0
-        with stats.timer("comm_s"):
-            return self.transport.sendrecv(out, dst=peer, src=peer, name=name, recv_numel=expected)
 
     def _set_size(self, k: int, dtype: torch.dtype) -> int | None:
         """Bytes of a coded set of k entries, when the codec fixes it (every set sent holds
         exactly k entries: the top k of a union of two k-sets)."""
         return self.codec.fixed_size(k, dtype)
 
-    def _fold(
-        self, current: _Set, coded: torch.Tensor, n: int, k: int, key: str, stats: StepStats
-    ) -> _Set:
+    def _fold(self, ex: Exchange, current: _Set, coded: torch.Tensor, n: int, k: int) -> _Set:
         if not self.extra:
             return current
-        me, p = self.transport.rank, self.butterfly
+        me, p = ex.rank, self.butterfly
         if me >= p:
-            stats.entries["fold"] = current.indices.numel()
-            self._send_to(me - p, coded, f"fold.{key}", stats, "fold")
+            ex.stats.entries["fold"] = current.indices.numel()
+            _send_to(ex, me - p, coded)
             return current
         if me < self.extra:
-            got = self._send_to(
-                me + p, None, f"fold.{key}", stats, "fold", self._set_size(k, current.values.dtype)
-            )
-            with stats.timer("coding_s"):
-                idx, vals = _sorted(
-                    *self.codec.decode(
-                        got,
-                        n,
-                        current.values.dtype,
-                        current.values.device,
-                        f"{key}.select.{me + p}",
-                    )
-                )
+            got = _send_to(ex, me + p, None, expected=self._set_size(k, current.values.dtype))
+            idx, vals = _sorted(*ex.decode(got, n, current.values, f"select.{me + p}"))
             ones = torch.ones(idx.numel(), dtype=torch.bool, device=idx.device)
             return self._merge(
+                ex,
                 current._replace(folded=torch.zeros_like(current.indices, dtype=torch.bool)),
                 _Set(idx, vals, torch.zeros_like(vals), ones),
                 k,
-                stats,
             )
-        self._send_to(None, None, f"fold.{key}", stats, "fold")
+        _send_to(ex, None, None)
         return current
 
-    def _merge_round(
-        self, current: _Set, i: int, n: int, k: int, key: str, stats: StepStats
-    ) -> _Set:
-        me = self.transport.rank
+    def _merge_round(self, ex: Exchange, current: _Set, i: int, n: int, k: int) -> _Set:
+        me = ex.rank
         partner = me ^ (1 << i)
         leader, partner_leader = (me >> i) << i, (partner >> i) << i
-        with stats.timer("coding_s"):
-            enc = self.codec.encode_sparse(
-                current.indices, current.values, n, f"{key}.merge.{i}.{leader}"
-            )
+        enc = ex.encode_sparse(current.indices, current.values, n, f"merge.{i}.{leader}")
         mine = self._after_coding(current, enc.indices, enc.values, leader == me)
-        stats.entries["merge"] += enc.indices.numel()
-        got = self._send_to(
-            partner,
-            enc.data,
-            f"merge.{key}.{i}",
-            stats,
-            "merge",
-            self._set_size(k, current.values.dtype),
-        )
-        with stats.timer("coding_s"):
-            idx, vals = _sorted(
-                *self.codec.decode(
-                    got,
-                    n,
-                    current.values.dtype,
-                    current.values.device,
-                    f"{key}.merge.{i}.{partner_leader}",
-                )
-            )
+        ex.stats.entries["merge"] += enc.indices.numel()
+        got = _send_to(ex, partner, enc.data, i, self._set_size(k, current.values.dtype))
+        idx, vals = _sorted(*ex.decode(got, n, current.values, f"merge.{i}.{partner_leader}"))
         theirs = _Set(
             idx,
             vals,
@@ -220,7 +163,7 @@ class GTopk(CodedAllreduce):
             None if current.folded is None else torch.zeros_like(idx, dtype=torch.bool),
         )
         low, high = (mine, theirs) if me < partner else (theirs, mine)
-        return self._merge(low, high, k, stats)
+        return self._merge(ex, low, high, k)
 
     @staticmethod
     def _after_coding(
@@ -237,10 +180,10 @@ class GTopk(CodedAllreduce):
         return _Set(idx, vals, credit, folded)
 
     @staticmethod
-    def _merge(low: _Set, high: _Set, k: int, stats: StepStats) -> _Set:
+    def _merge(ex: Exchange, low: _Set, high: _Set, k: int) -> _Set:
         """Sum two sets on common indices and keep the top-k of the union. Identical on both
         partners: the same operands in the same order (low rank's side first)."""
-        with stats.timer("selection_s"):
+        with ex.selecting():
             cat_idx = torch.cat([low.indices, high.indices])
             union, inverse = torch.unique(cat_idx, sorted=True, return_inverse=True)
             values = torch.zeros(union.numel(), dtype=low.values.dtype, device=union.device)
@@ -257,25 +200,23 @@ class GTopk(CodedAllreduce):
             union[keep], values[keep], credit[keep], None if folded is None else folded[keep]
         )
 
-    def _final_coding(self, current: _Set, n: int, key: str, stats: StepStats) -> tuple:
-        with stats.timer("coding_s"):
-            enc = self.codec.encode_sparse(current.indices, current.values, n, f"{key}.final")
-        final = self._after_coding(current, enc.indices, enc.values, self.transport.rank == 0)
+    def _final_coding(self, ex: Exchange, current: _Set, n: int) -> tuple:
+        enc = ex.encode_sparse(current.indices, current.values, n, "final")
+        final = self._after_coding(current, enc.indices, enc.values, ex.rank == 0)
         return final, enc.data
 
     def _deliver(
         self,
+        ex: Exchange,
         final,
         own_idx: torch.Tensor,
         own_vals: torch.Tensor,
         n: int,
-        key: str,
-        stats: StepStats,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(final indices, final values, our credit on them) on every rank: the fold partners
         send the coded final set and a bitmask of the entries that carry the folded worker's
         contribution, whose credit is then its own coded value there."""
-        me, p = self.transport.rank, self.butterfly
+        me, p = ex.rank, self.butterfly
         if not self.extra:
             final_set, _ = final
             return final_set.indices, final_set.values, final_set.credit
@@ -285,24 +226,36 @@ class GTopk(CodedAllreduce):
                 message = pack_frames(
                     [data, bitpack.pack(final_set.folded.to(torch.int64), 1).to(data.device)]
                 )
-                stats.entries["final"] = final_set.indices.numel()
-                self._send_to(me + p, message, f"final.{key}", stats, "final")
+                ex.stats.entries["final"] = final_set.indices.numel()
+                _send_to(ex, me + p, message)
             else:
-                self._send_to(None, None, f"final.{key}", stats, "final")
+                _send_to(ex, None, None)
             return final_set.indices, final_set.values, final_set.credit
         k = count_for_ratio(n, self.density)
         size = self._set_size(k, own_vals.dtype)
         if size is not None:  # the set and a bit per entry, framed
             size += bitpack.packed_size(k, 1) + frame_overhead(2)
-        got = self._send_to(me - p, None, f"final.{key}", stats, "final", size)
-        idx, vals, folded = self._split_final(got, n, own_vals.dtype, own_vals.device, key)
+        got = _send_to(ex, me - p, None, expected=size)
+        data, mask = unpack_frames(got)
+        idx, vals = _sorted(*ex.decode(data, n, own_vals, "final"))
+        folded = bitpack.unpack(mask, idx.numel(), 1).to(device=idx.device, dtype=torch.bool)
         credit = torch.where(folded, realign(own_idx, own_vals, idx), torch.zeros_like(vals))
         return idx, vals, credit
 
-    def _split_final(
-        self, message: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device, key: str
-    ):
-        """(indices, values, folded mask) from the final message: the coded set and the mask."""
-        data, mask = unpack_frames(message)
-        idx, vals = _sorted(*self.codec.decode(data, n, dtype, device, f"{key}.final"))
-        return idx, vals, bitpack.unpack(mask, idx.numel(), 1).to(device=device, dtype=torch.bool)
+
+def _send_to(
+    ex: Exchange,
+    peer: int | None,
+    data: torch.Tensor | None,
+    suffix: object = None,
+    expected: int | None = 0,
+) -> torch.Tensor:
+    """One step of a pairwise exchange in which only some ranks take part: every rank calls
+    sendrecv (Horovod needs all ranks in every op); idle ranks talk to themselves.
+    expected: the bytes the peer sends (0 unless given; None: unknown, sizes travel)."""
+    me = ex.rank
+    out = data if data is not None else torch.empty(0, dtype=torch.uint8)
+    peer = me if peer is None else peer
+    if peer == me:
+        expected = 0
+    return ex.sendrecv(out, peer, peer, suffix, expected)

@@ -47,16 +47,9 @@ from ..payload import PayloadCodec
 from ..selection import count_for_ratio, topk_abs
 from ..transport import Transport
 from ._base import CodedAllreduce
-from .collectives import (
-    StepStats,
-    allgather_bytes,
-    counted_allreduce,
-    dense_average,
-    global_kth_magnitude,
-    split_and_reduce,
-)
+from .collectives import global_kth_magnitude
+from .exchange import Exchange
 
-PHASES = ("dense", "reduce", "gather", "threshold", "regions")
 LOCAL_BAND = (2 / 3, 5 / 4)  # nudge theta_local when the local count leaves [2k/3, 5k/4]
 GLOBAL_BAND = (2 / 3, 4 / 3)  # nudge theta_global when the global count leaves [2k/3, 4k/3]
 GUARD_BAND = (1 / 2, 3 / 2)  # recompute a reused threshold at once outside [k/2, 3k/2]
@@ -126,6 +119,8 @@ class OkTopk(CodedAllreduce):
     warmup: dense steps before sparsification (int >= 0); threshold_interval, region_interval:
     tau and tau' (ints >= 1); local_scale, global_scale: the nudge factors (> 1)."""
 
+    PHASES = ("dense", "reduce", "gather", "threshold", "regions")
+
     def __init__(
         self,
         compressor: Compressor,
@@ -155,23 +150,18 @@ class OkTopk(CodedAllreduce):
         step)."""
         return self._offsets.get(name)
 
-    def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        stats = StepStats(PHASES)
-        step = self.next_step(name)
+    def sparse_allreduce(
+        self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = tensor.numel()
-        if n == 0:
-            self.last_stats = stats.as_dict()
-            return tensor.clone(), tensor.clone()
-        key = f"{name}.{step}"
         if step < self.warmup:
-            result = dense_average(self.transport, tensor, f"dense.{key}", stats)
-            self.last_stats = stats.as_dict()
-            return result, torch.zeros_like(tensor)
+            with ex.phase("dense"):
+                return ex.dense_average(tensor), torch.zeros_like(tensor)
         t = step - self.warmup
         k = count_for_ratio(n, self.density)
         everything = k >= n
 
-        with stats.timer("selection_s"):
+        with ex.selecting():
             if not everything and (
                 t % self.threshold_interval == 0 or name not in self._theta_local
             ):
@@ -186,52 +176,42 @@ class OkTopk(CodedAllreduce):
                     theta, chosen.numel(), k, LOCAL_BAND, self.local_scale
                 )
         if t % self.region_interval == 0 or name not in self._offsets:
-            self._offsets[name] = self._balanced_offsets(chosen, n, f"regions.{key}", stats)
+            with ex.phase("regions"):
+                self._offsets[name] = self._balanced_offsets(ex, chosen, n)
         offsets = self._offsets[name]
 
-        sent, reduced, member = split_and_reduce(
-            self.transport, self.codec, tensor, chosen, offsets, key, stats
-        )
-        me = self.transport.rank
+        with ex.phase("reduce"):
+            sent, reduced, member = ex.reduce_scatter(tensor, chosen, offsets)
+        me = ex.rank
         lo, hi = offsets[me], offsets[me + 1]
 
         candidates = torch.nonzero(member).reshape(-1)
         magnitudes = reduced[candidates].abs()
         recomputed = False
-        if everything:
-            global_theta = 0.0
-        elif t % self.threshold_interval == 0 or name not in self._theta_global:
-            global_theta = self._recompute_global(name, reduced[candidates], k, key, stats)
-            recomputed = True
-        else:
-            global_theta = self._theta_global[name]
-            mine = (magnitudes >= global_theta).sum().to(torch.int64).reshape(1).cpu()
-            count = int(
-                counted_allreduce(
-                    self.transport, mine, f"threshold.{key}.count", stats, "threshold"
-                )[0]
-            )
-            if not GUARD_BAND[0] * k <= count <= GUARD_BAND[1] * k:
-                global_theta = self._recompute_global(name, reduced[candidates], k, key, stats)
+        with ex.phase("threshold"):
+            if everything:
+                global_theta = 0.0
+            elif t % self.threshold_interval == 0 or name not in self._theta_global:
+                global_theta = self._recompute_global(ex, name, reduced[candidates], k)
                 recomputed = True
-        with stats.timer("selection_s"):
+            else:
+                global_theta = self._theta_global[name]
+                mine = (magnitudes >= global_theta).sum().to(torch.int64).reshape(1).cpu()
+                count = int(ex.allreduce(mine, "count")[0])
+                if not GUARD_BAND[0] * k <= count <= GUARD_BAND[1] * k:
+                    global_theta = self._recompute_global(ex, name, reduced[candidates], k)
+                    recomputed = True
+        with ex.selecting():
             selected = candidates[magnitudes >= global_theta]
-        with stats.timer("coding_s"):
-            enc = self.codec.encode(reduced, selected, f"{key}.gather.{me}")
-        stats.entries["gather"] = enc.indices.numel()
-        pieces = allgather_bytes(self.transport, enc.data, f"gather.{key}", stats, "gather")
+        with ex.phase("gather"):
+            enc = ex.encode(reduced, selected, f"gather.{me}")
+            ex.stats.entries["gather"] = enc.indices.numel()
+            pieces = ex.allgather(enc.data)
 
         result = self.zeros_for_result(name, tensor)
         delivered = torch.zeros(n, dtype=torch.bool, device=tensor.device)
         for j, data in enumerate(pieces):
-            with stats.timer("coding_s"):
-                idx, vals = self.codec.decode(
-                    data,
-                    offsets[j + 1] - offsets[j],
-                    tensor.dtype,
-                    tensor.device,
-                    f"{key}.gather.{j}",
-                )
+            idx, vals = ex.decode(data, offsets[j + 1] - offsets[j], tensor, f"gather.{j}")
             result[offsets[j] + idx] = vals
             delivered[offsets[j] + idx] = True
         # Senders are credited with what they sent to delivered indices; the owner keeps the
@@ -240,27 +220,22 @@ class OkTopk(CodedAllreduce):
         residual[lo:hi] += torch.where(
             delivered[lo:hi], reduced - result[lo:hi], torch.zeros_like(reduced)
         )
-        result /= self.transport.size
+        result /= ex.size
         if not everything and not recomputed:
             count = int(delivered.sum())
             self._theta_global[name] = _nudge(
                 global_theta, count, k, GLOBAL_BAND, self.global_scale
             )
-        self.last_stats = stats.as_dict()
         return result, residual
 
-    def _recompute_global(
-        self, name: str, values: torch.Tensor, k: int, key: str, stats: StepStats
-    ) -> float:
-        theta = float(global_kth_magnitude(self.transport, values, k, f"threshold.{key}", stats))
+    def _recompute_global(self, ex: Exchange, name: str, values: torch.Tensor, k: int) -> float:
+        theta = float(global_kth_magnitude(ex, values, k))
         self._theta_global[name] = theta
         return theta
 
-    def _balanced_offsets(
-        self, chosen: torch.Tensor, n: int, name: str, stats: StepStats
-    ) -> list[int]:
+    def _balanced_offsets(self, ex: Exchange, chosen: torch.Tensor, n: int) -> list[int]:
         """P+1 region boundaries splitting the selected entries of all workers about evenly."""
-        size = self.transport.size
+        size = ex.size
         if chosen.numel() >= size:
             step = chosen.numel() // size
             proposal = (
@@ -268,7 +243,7 @@ class OkTopk(CodedAllreduce):
             )
         else:
             proposal = torch.arange(1, size, dtype=torch.int64) * n // size
-        total = counted_allreduce(self.transport, proposal, name, stats, "regions")
+        total = ex.allreduce(proposal)
         inner = (total // size).tolist()
         return [0, *inner, n]
 

@@ -43,11 +43,9 @@ from ..payload import PayloadCodec
 from ..selection import topk_abs
 from ..transport import Transport
 from ._base import CodedAllreduce
-from .collectives import StepStats, bruck_allgather
+from .exchange import Exchange, Undo
 from .schedules import srs_schedule
 
-PHASES = ("srs", "cross", "sag")
-Undo = list[tuple[torch.Tensor, torch.Tensor]]
 H_GAIN = 0.5  # weight of the new estimate in the adaptive-h update (the rest is inertia)
 
 
@@ -59,6 +57,7 @@ class SparDL(CodedAllreduce):
     messages are coded (identity by default; DeepReduce codecs plug in here)."""
 
     RANK_LOCAL = ("team", "q")
+    PHASES = ("srs", "cross", "sag")
 
     def __init__(
         self,
@@ -115,16 +114,12 @@ class SparDL(CodedAllreduce):
         # before is free again.
         return self.pool.take(f"working.{name}", numel, dtype, device, slots=2)
 
-    def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        stats = StepStats(PHASES)
-        step = self.next_step(name)
+    def sparse_allreduce(
+        self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = tensor.numel()
         block, kb = self.block_layout(n)
         m = self.team_size
-        if n == 0:
-            self.last_stats = stats.as_dict()
-            return tensor.clone(), tensor.clone()
-
         working = self._prepared.pop(name, None)
         if (
             working is None
@@ -138,29 +133,24 @@ class SparDL(CodedAllreduce):
         working[n:] = 0
         blocks = working.view(m, block)
         team_ranks = [self.team * m + j for j in range(m)]
-        key = f"{name}.{step}"
-        undo: Undo = []  # per write into D: (positions, what it overwrote)
+        undo: Undo = []  # every write into D, with what it overwrote
 
-        self._spar_reduce_scatter(blocks, kb, team_ranks, key, stats, undo)
-        final = self._select_final(blocks[self.q], name, n, kb, key, stats, undo)
+        with ex.phase("srs"):
+            self._spar_reduce_scatter(ex, blocks, kb, team_ranks, undo)
+        final = self._select_final(ex, blocks[self.q], name, n, kb, undo)
         # With one team every final piece is exactly k_b entries; with cross-team merging it
         # is at most k_b, so its size travels with it.
         piece_size = self.codec.fixed_size(kb, tensor.dtype) if self.teams == 1 else None
-        pieces = bruck_allgather(
-            self.transport, final, team_ranks, self.q, f"sag.{key}", stats, "sag", piece_size
-        )
+        with ex.phase("sag"):
+            pieces = ex.bruck_allgather(final, team_ranks, self.q, piece_size)
 
         result = self.zeros_for_result(name, working)
         selected = []
         for j, data in enumerate(pieces):
-            with stats.timer("coding_s"):
-                idx, vals = self.codec.decode(
-                    data, block, tensor.dtype, tensor.device, f"{key}.final.{j}"
-                )
-            result[j * block + idx] = vals / self.transport.size  # zeros need no division
+            idx, vals = ex.decode(data, block, tensor, f"final.{j}")
+            result[j * block + idx] = vals / ex.size  # zeros need no division
             selected.append(j * block + idx)
         residual = self._residual(working, n, torch.cat(selected), undo)
-        self.last_stats = stats.as_dict()
         return result[:n], residual
 
     @staticmethod
@@ -172,21 +162,17 @@ class SparDL(CodedAllreduce):
         and each write logged what it overwrote: undoing the writes in reverse order gives A
         back exactly, with no pass over the gradient."""
         kept = working[selected]
-        for positions, values in reversed(undo):
-            working[positions] = values
+        for target, positions, values in reversed(undo):
+            target[positions] = values
         working[selected] = kept
         return working[:n]
 
     def _spar_reduce_scatter(
-        self,
-        blocks: torch.Tensor,
-        kb: int,
-        team_ranks: list[int],
-        key: str,
-        stats: StepStats,
-        undo: Undo,
+        self, ex: Exchange, blocks: torch.Tensor, kb: int, team_ranks: list[int], undo: Undo
     ) -> None:
-        m, block = blocks.shape
+        """Spar-Reduce-Scatter: in each round of the schedule, send the top-k_b of the
+        blocks due to the next worker and add in what the previous one sends."""
+        m = blocks.shape[0]
         expected = self.codec.fixed_size(kb, blocks.dtype)  # None: sizes travel first
         for i, rnd in enumerate(srs_schedule(m)):
             dst = team_ranks[(self.q + rnd.distance) % m]
@@ -194,89 +180,65 @@ class SparDL(CodedAllreduce):
             for b in range(rnd.blocks):
                 out_block = (self.q + rnd.distance + b) % m
                 in_block = (self.q + b) % m
-                with stats.timer("selection_s"):
+                with ex.selecting():
                     chosen = topk_abs(blocks[out_block], kb, self.scratch)
-                with stats.timer("coding_s"):
-                    enc = self.codec.encode(blocks[out_block], chosen, f"{key}.srs.{out_block}")
-                undo.append((out_block * block + enc.indices, blocks[out_block][enc.indices]))
-                blocks[out_block][enc.indices] -= enc.values
-                stats.add_bytes("srs", enc.data.numel())
-                stats.entries["srs"] += enc.indices.numel()
-                with stats.timer("comm_s"):
-                    got = self.transport.sendrecv(
-                        enc.data, dst, src, f"srs.{key}.{i}.{b}", recv_numel=expected
-                    )
-                with stats.timer("coding_s"):
-                    idx, vals = self.codec.decode(
-                        got, block, blocks.dtype, blocks.device, f"{key}.srs.{in_block}"
-                    )
-                undo.append((in_block * block + idx, blocks[in_block][idx]))
-                blocks[in_block][idx] += vals
+                ex.exchange(
+                    blocks[out_block],
+                    chosen,
+                    blocks[in_block],
+                    dst,
+                    src,
+                    (f"srs.{out_block}", f"srs.{in_block}"),
+                    f"{i}.{b}",
+                    expected,
+                    undo,
+                )
 
     def _select_final(
         self,
+        ex: Exchange,
         own: torch.Tensor,
         name: str,
         numel: int,
         kb: int,
-        key: str,
-        stats: StepStats,
         undo: Undo,
     ) -> torch.Tensor:
         """Choose this worker's block's final entries (cross-team merge when d > 1), subtract
         them from the working copy, and return them coded for the all-gather."""
-        final_key = f"{key}.final.{self.q}"
+        final_tag = f"final.{self.q}"
         if self.teams == 1:
-            with stats.timer("selection_s"):
+            with ex.selecting():
                 chosen = topk_abs(own, kb, self.scratch)
-            with stats.timer("coding_s"):
-                enc = self.codec.encode(own, chosen, final_key)
-            undo.append((self.q * own.numel() + enc.indices, own[enc.indices]))
-            own[enc.indices] -= enc.values
-            stats.entries["sag"] += enc.indices.numel()
-            return enc.data
+            with ex.phase("sag"):
+                return ex.take(own, chosen, final_tag, undo).data
 
         h = self.h_for(name, numel)
-        with stats.timer("selection_s"):
+        with ex.selecting():
             chosen = topk_abs(own, h, self.scratch)
-        with stats.timer("coding_s"):
-            piece = self.codec.encode(own, chosen, f"{key}.cross.{self.q}.{self.team}")
-        undo.append((self.q * own.numel() + piece.indices, own[piece.indices]))
-        own[piece.indices] -= piece.values
-        stats.entries["cross"] += piece.indices.numel()
         group = [t * self.team_size + self.q for t in range(self.teams)]
-        # Every member of the group holds the same h (adapted from the same unions).
-        coded = bruck_allgather(
-            self.transport,
-            piece.data,
-            group,
-            self.team,
-            f"cross.{key}",
-            stats,
-            "cross",
-            self.codec.fixed_size(h, own.dtype),
-        )
+        with ex.phase("cross"):
+            piece = ex.take(own, chosen, f"cross.{self.q}.{self.team}", undo)
+            # Every member of the group holds the same h (adapted from the same unions).
+            coded = ex.bruck_allgather(
+                piece.data, group, self.team, self.codec.fixed_size(h, own.dtype)
+            )
         union = torch.zeros_like(own)
         member = torch.zeros(own.numel(), dtype=torch.bool, device=own.device)
         for t, data in enumerate(coded):
-            with stats.timer("coding_s"):
-                idx, vals = self.codec.decode(
-                    data, own.numel(), own.dtype, own.device, f"{key}.cross.{self.q}.{t}"
-                )
+            idx, vals = ex.decode(data, own.numel(), own, f"cross.{self.q}.{t}")
             union[idx] += vals
             member[idx] = True
-        with stats.timer("selection_s"):
+        with ex.selecting():
             candidates = torch.nonzero(member).reshape(-1)
             self._adapt_h(name, numel, candidates.numel())
             if candidates.numel() > kb:
                 candidates = candidates[topk_abs(union[candidates], kb)]
-        with stats.timer("coding_s"):
-            enc = self.codec.encode(union, candidates, final_key)
+        enc = ex.encode(union, candidates, final_tag)
         if self.team == 0:
             # Whatever the final coding changes is kept once, by team 0's owner.
-            undo.append((self.q * own.numel() + enc.indices, own[enc.indices]))
+            undo.append((own, enc.indices, own[enc.indices]))
             own[enc.indices] += union[enc.indices] - enc.values
-        stats.entries["sag"] += enc.indices.numel()
+        ex.stats.entries["sag"] += enc.indices.numel()
         return enc.data
 
     def _adapt_h(self, name: str, numel: int, union_size: int) -> None:

@@ -18,9 +18,8 @@ import torch
 
 from ..selection import count_for_ratio, topk_abs
 from ._base import CodedAllreduce
-from .collectives import StepStats, allgather_bytes
+from .exchange import Exchange
 
-PHASES = ("gather",)
 # Gaussian-k's refinement (reference code): up to 3 corrections while the count is outside
 # [2k/3, 4k/3]: halve the threshold when too few are selected, raise it by 1.5 when too many.
 GAUSSIAN_REFINEMENTS = 3
@@ -31,33 +30,27 @@ GAUSSIAN_LOWER, GAUSSIAN_RAISE = 0.5, 1.5
 class TopkA(CodedAllreduce):
     """The 'topka' communicator. Use with memory 'global_residual' (or 'residual'/'none')."""
 
+    PHASES = ("gather",)
+
     def select(self, tensor: torch.Tensor, k: int) -> torch.Tensor:
         """int64 positions this worker sends: the exact top-k of |tensor|."""
         return topk_abs(tensor, k, self.scratch)
 
-    def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        stats = StepStats(PHASES)
-        step = self.next_step(name)
+    def sparse_allreduce(
+        self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = tensor.numel()
         residual = tensor.clone()
-        result = self.zeros_for_result(name, tensor)
-        if n == 0:
-            self.last_stats = stats.as_dict()
-            return result, residual
-        key = f"{name}.{step}"
-        with stats.timer("selection_s"):
+        with ex.selecting():
             chosen = self.select(tensor, count_for_ratio(n, self.density))
-        with stats.timer("coding_s"):
-            enc = self.codec.encode(tensor, chosen, f"{key}.{self.transport.rank}")
-        residual[enc.indices] -= enc.values
-        stats.entries["gather"] = enc.indices.numel()
-        pieces = allgather_bytes(self.transport, enc.data, f"gather.{key}", stats, "gather")
+        with ex.phase("gather"):
+            mine = ex.take(residual, chosen, str(ex.rank))
+            pieces = ex.allgather(mine.data)
+        result = self.zeros_for_result(name, tensor)
         for rank, data in enumerate(pieces):
-            with stats.timer("coding_s"):
-                idx, vals = self.codec.decode(data, n, tensor.dtype, tensor.device, f"{key}.{rank}")
+            idx, vals = ex.decode(data, n, tensor, str(rank))
             result.index_add_(0, idx, vals)
-        result /= self.transport.size
-        self.last_stats = stats.as_dict()
+        result /= ex.size
         return result, residual
 
 

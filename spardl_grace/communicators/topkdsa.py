@@ -26,83 +26,71 @@ import torch
 from ..selection import count_for_ratio, topk_abs
 from ..transport.base import as_bytes, from_bytes
 from ._base import CodedAllreduce
-from .collectives import StepStats, allgather_bytes, split_and_reduce
-
-PHASES = ("reduce", "gather")
+from .exchange import Exchange
 
 
 class TopkDSA(CodedAllreduce):
     """The 'topkdsa' communicator. Use with memory 'global_residual' (or 'residual'/'none')."""
 
-    def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        stats = StepStats(PHASES)
-        step = self.next_step(name)
-        n, size, me = tensor.numel(), self.transport.size, self.transport.rank
-        if n == 0:
-            self.last_stats = stats.as_dict()
-            return tensor.clone(), tensor.clone()
+    PHASES = ("reduce", "gather")
+
+    def sparse_allreduce(
+        self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, size, me = tensor.numel(), ex.size, ex.rank
         region = math.ceil(n / size)
         padded = torch.zeros(size * region, dtype=tensor.dtype, device=tensor.device)
         padded[:n] = tensor
-        key = f"{name}.{step}"
-
-        with stats.timer("selection_s"):
+        with ex.selecting():
             chosen = torch.sort(
                 topk_abs(tensor, count_for_ratio(n, self.density), self.scratch)
             ).values
-        sent, reduced, member = split_and_reduce(
-            self.transport,
-            self.codec,
-            padded,
-            chosen,
-            [j * region for j in range(size + 1)],
-            key,
-            stats,
-        )
+        with ex.phase("reduce"):
+            sent, reduced, member = ex.reduce_scatter(
+                padded, chosen, [j * region for j in range(size + 1)]
+            )
         residual = padded - sent
-        own = self._encode_region(
-            reduced, member, f"{key}.gather.{me}", stats, residual, me * region
-        )
-        pieces = allgather_bytes(self.transport, own, f"gather.{key}", stats, "gather")
+        with ex.phase("gather"):
+            own = self._encode_region(ex, reduced, member, residual, me * region)
+            pieces = ex.allgather(own)
         result = self.zeros_for_result(name, padded)
         for j, data in enumerate(pieces):
-            with stats.timer("coding_s"):
-                result[j * region : (j + 1) * region] = self._decode_region(
-                    data, region, tensor.dtype, tensor.device, f"{key}.gather.{j}"
-                )
+            result[j * region : (j + 1) * region] = self._decode_region(ex, data, reduced, j)
         result /= size
-        self.last_stats = stats.as_dict()
         return result[:n], residual[:n]
 
+    @staticmethod
     def _encode_region(
-        self,
+        ex: Exchange,
         reduced: torch.Tensor,
         member: torch.Tensor,
-        key: str,
-        stats: StepStats,
         residual: torch.Tensor,
         offset: int,
     ) -> torch.Tensor:
         """The all-gather message of our reduced region: sparse if smaller, else dense. What a
         lossy codec changes stays in our residual."""
         dense = as_bytes(reduced)
-        with stats.timer("coding_s"):
-            enc = self.codec.encode(reduced, torch.nonzero(member).reshape(-1), key)
+        enc = ex.encode(reduced, torch.nonzero(member).reshape(-1), f"gather.{ex.rank}")
         if enc.data.numel() >= dense.numel():
-            stats.entries["gather"] = reduced.numel()
+            ex.stats.entries["gather"] = reduced.numel()
             return dense
         decoded = torch.zeros_like(reduced)
         decoded[enc.indices] = enc.values
         residual[offset : offset + reduced.numel()] += reduced - decoded
-        stats.entries["gather"] = enc.indices.numel()
+        ex.stats.entries["gather"] = enc.indices.numel()
         return enc.data
 
+    @staticmethod
     def _decode_region(
-        self, data: torch.Tensor, region: int, dtype: torch.dtype, device: torch.device, key: str
+        ex: Exchange, data: torch.Tensor, like: torch.Tensor, owner: int
     ) -> torch.Tensor:
-        if data.numel() == region * torch.empty((), dtype=dtype).element_size():
-            return from_bytes(data, dtype).to(device)
-        idx, vals = self.codec.decode(data, region, dtype, device, key)
-        out = torch.zeros(region, dtype=dtype, device=device)
-        out[idx] = vals
+        """Region `owner`'s reduced values (`like`'s length) from its all-gather message."""
+        region = like.numel()
+        if data.numel() == region * like.element_size():
+            with ex.stats.timer("coding_s"):
+                return from_bytes(data, like.dtype).to(like.device)
+        idx, vals = ex.decode(data, region, like, f"gather.{owner}")
+        out = torch.zeros_like(like)
+        with ex.stats.timer("coding_s"):
+            out[idx] = vals
         return out
