@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from spardl_grace.api import Compressor
+from spardl_grace.api import Communicator, Compressor
 
 from .codec import DeepReduceCodec, codec_for_mode
 
@@ -86,11 +86,11 @@ WRAPPERS = {"value": ValueCompressor, "index": IndexCompressor, "both": DeepRedu
 def deepreduce_from_params(params: dict[str, Any], transport=None):
     """grace_from_params(params) with the compressor wrapped as params['deepreduce'] says (for
     GRACE communicators) or the codec installed (sparse all-reduces do that themselves)."""
-    from spardl_grace.registry import SPARSE_COMMUNICATORS, grace_from_params
+    from spardl_grace.registry import grace_from_params
 
     grc = grace_from_params(params, transport=transport)
     mode = params.get("deepreduce")
-    if mode and params.get("communicator", "allreduce") not in SPARSE_COMMUNICATORS:
+    if mode and isinstance(grc, Communicator):
         grc.compressor = WRAPPERS[mode](grc.compressor, params)
         grc.compressor.bind(grc.transport)
     return grc

@@ -8,7 +8,7 @@ optimizer = DistributedOptimizer(optimizer, grc, named_parameters=model.named_pa
 ddp.register_comm_hook(CommHookState(grc, ddp), comm_hook)         # DDP
 """
 
-from .api import Communicator, Compressor, Memory, SparseAllreduce
+from .api import Communicator, Compressor, Memory, SparseAllreduce, Synchronizer
 from .broadcast import broadcast_parameters
 from .ddp import CommHookState, comm_hook
 from .grace_dl_compat import register_with_grace_dl
@@ -33,6 +33,7 @@ __all__ = [
     "Memory",
     "PayloadCodec",
     "SparseAllreduce",
+    "Synchronizer",
     "Transport",
     "TransportError",
     "TransportTimeout",

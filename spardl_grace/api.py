@@ -9,12 +9,14 @@
     handles, ctx = communicator.send_step(tensor, name)         # GRACE Horovod style
     averaged = communicator.receive_step(handles, ctx)
 
-Two families of communicators share this interface:
-  * GRACE communicators (allreduce, allgather, broadcast) compress, update the memory from the
-    compressed tensor *before* communication, then exchange compressed tensors;
-  * sparse all-reduces (spardl, topka, gtopk, ...) select *during* communication, so the
-    residual is known only afterwards: they hand the memory what was finally applied
-    (Memory.store_residual).
+Two peer families share this interface (their common base, Synchronizer, is what
+grace_from_params returns and what DistributedOptimizer and the DDP hook take):
+  * GRACE's Communicator (allreduce, allgather, broadcast; compressor, memory, transport)
+    compresses, updates the memory from the compressed tensor *before* communication, then
+    exchanges compressed tensors;
+  * SparseAllreduce (spardl, topka, gtopk, ...; memory, transport, density, codec) has no
+    compressor: it selects *during* communication, so the residual is known only afterwards,
+    and it hands the memory what was finally applied (Memory.store_residual).
 
 state_dict() of every part holds only tensors and plain Python values, so it loads with
 torch.load(weights_only=True).
@@ -251,18 +253,19 @@ def _resolve_transport(transport: Transport | int | None) -> Transport:
     )
 
 
-class Communicator(ABC):
-    """Runs one synchronisation step: compensate, compress, exchange, decompress, average.
+class Synchronizer(ABC):
+    """What grace_from_params returns: synchronises a tensor over the ranks, with a memory.
 
-    The compressor and memory may be this library's or any objects with GRACE's interface
-    (compress / decompress, optionally aggregate, average and tensors_size_are_same;
-    compensate, optionally update): bind, state_dict and the other methods this library adds
-    are used where present. `transport` may be GRACE's world_size instead (an int), or left
-    out: the active backend's transport is then used, as in GRACE's Allgather(compressor,
-    memory, world_size) and, for Horovod, Allgather(compressor, memory).
+    Two peer families derive from it: GRACE's Communicator (compressor, memory, transport) and
+    SparseAllreduce (memory, transport, density, codec). This class holds what they share: the
+    transport, the memory, the ranks' agreement on each name, GRACE's step / send_step /
+    receive_step with real handles and optional overlap, and checkpoints. `transport` may be
+    GRACE's world_size instead (an int), or left out: the active backend's transport is then
+    used, as in GRACE's Allgather(compressor, memory, world_size) and, for Horovod,
+    Allgather(compressor, memory).
 
     reuse_results: False (the default) makes every step's result a new tensor, which the caller
-    may keep. DistributedOptimizer and the DDP hook set it to True on the communicator they are
+    may keep. DistributedOptimizer and the DDP hook set it to True on the synchronizer they are
     given, because they copy each result into the gradients before the next step: then a sparse
     all-reduce may return the same buffer for a name each step (valid until that name's next
     step), which saves a gradient-sized allocation per step."""
@@ -272,32 +275,32 @@ class Communicator(ABC):
     #: of the fingerprint the ranks agree on
     RANK_LOCAL: tuple[str, ...] = ()
 
-    def __init__(
-        self, compressor: Compressor, memory: Memory, transport: Transport | int | None = None
-    ):
-        _check_protocol(compressor, "compressor", ("compress", "decompress"))
+    def __init__(self, memory: Memory, transport: Transport | int | None = None):
         _check_protocol(memory, "memory", ("compensate",))
         transport = _resolve_transport(transport)
-        self.compressor = compressor
         self.memory = memory
         self.transport = transport
         self.world_size = transport.size
-        _bind(compressor, transport)
         _bind(memory, transport)
         self.last_stats: dict[str, float] = {}
         self._agreed: dict[str, int] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
+    def _parts(self) -> dict[str, Any]:
+        """The parts besides the memory whose settings the ranks agree on and whose state is
+        checkpointed, by state-dict key."""
+        return {}
+
     def fingerprint(self, tensor: torch.Tensor, name: str) -> dict[str, Any]:
         """What every rank must share to synchronise `tensor` under `name`: its numel, dtype
-        and device type, and the settings of this communicator, its compressor and memory."""
+        and device type, and the settings of this synchronizer and its parts."""
         return {
             "name": name,
             "numel": tensor.numel(),
             "dtype": str(tensor.dtype),
             "device": tensor.device.type,
             "communicator": settings_of(self, self.RANK_LOCAL + ("world_size", "reuse_results")),
-            "compressor": settings_of(self.compressor),
+            **{key: settings_of(part) for key, part in self._parts().items()},
             "memory": settings_of(self.memory),
         }
 
@@ -355,6 +358,72 @@ class Communicator(ABC):
             return handles.wait()
         return handles
 
+    @abstractmethod
+    def synchronize(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """One whole step, here and now: check that the ranks agree on `name`, then
+        compensate, exchange and average."""
+
+    @abstractmethod
+    def set_density(self, density: float) -> None:
+        """Send this fraction of the entries from the next step on (DGC's density warm-up).
+        Raises ValueError when the density is not in (0, 1] or nothing here has a density."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The memory's, the other parts' and this synchronizer's own state; a GRACE user's own
+        compressor or memory without state_dict() contributes none (it is not checkpointed)."""
+        return {
+            **{key: _state_of(part) for key, part in self._parts().items()},
+            "memory": _state_of(self.memory),
+            "communicator": self._own_state(),
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned. Raises ValueError when it was written by another
+        number of workers: residuals and schedules belong to one partition of the work."""
+        if state.get("world_size", self.world_size) != self.world_size:
+            raise ValueError(
+                f"checkpoint was written by {state['world_size']} workers, this run "
+                f"has {self.world_size}: residuals and schedules do not carry over"
+            )
+        parts = {**self._parts(), "memory": self.memory}
+        for key, part in parts.items():
+            load = getattr(part, "load_state_dict", None)
+            if callable(load):
+                load(state.get(key, {}))
+        self._load_own_state(state.get("communicator", {}))
+
+    def _own_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def _check_density(density: float) -> None:
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+
+
+class Communicator(Synchronizer):
+    """GRACE's communicator: compress, update the memory, exchange, decompress, average.
+
+    The compressor and memory may be this library's or any objects with GRACE's interface
+    (compress / decompress, optionally aggregate, average and tensors_size_are_same;
+    compensate, optionally update): bind, state_dict and the other methods this library adds
+    are used where present. Subclasses implement GRACE's send_receive."""
+
+    def __init__(
+        self, compressor: Compressor, memory: Memory, transport: Transport | int | None = None
+    ):
+        _check_protocol(compressor, "compressor", ("compress", "decompress"))
+        super().__init__(memory, transport)
+        self.compressor = compressor
+        _bind(compressor, self.transport)
+
+    def _parts(self) -> dict[str, Any]:
+        return {"compressor": self.compressor}
+
     def synchronize(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """One whole step, here and now: check that the ranks agree on `name`, compensate,
         compress, update the memory, exchange, decompress and aggregate."""
@@ -371,53 +440,16 @@ class Communicator(ABC):
         """Exchange compressed tensors and return the aggregated dense result."""
 
     def set_density(self, density: float) -> None:
-        """Send this fraction of the entries from the next step on (DGC's density warm-up).
-        Raises ValueError when the density is not in (0, 1] or nothing here has a density."""
-        if not 0 < density <= 1:
-            raise ValueError(f"density must be in (0, 1], got {density}")
-        targets = [
-            (obj, attr)
-            for obj, attr in ((self, "density"), (self.compressor, "compress_ratio"))
-            if hasattr(obj, attr)
-        ]
-        if not targets:
+        """Set the compressor's compress_ratio (top-k, random-k, DGC); ValueError for a
+        compressor without one."""
+        _check_density(density)
+        if not hasattr(self.compressor, "compress_ratio"):
             raise ValueError(
                 f"{type(self).__name__} with {type(self.compressor).__name__} has "
                 "no density to set; use a sparse all-reduce or a top-k, random-k or "
                 "DGC compressor"
             )
-        for obj, attr in targets:
-            setattr(obj, attr, density)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The compressor's, memory's and communicator's state; a GRACE user's own compressor
-        or memory without state_dict() contributes none (it is not checkpointed)."""
-        return {
-            "compressor": _state_of(self.compressor),
-            "memory": _state_of(self.memory),
-            "communicator": self._own_state(),
-            "world_size": self.world_size,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict() returned. Raises ValueError when it was written by another
-        number of workers: residuals and schedules belong to one partition of the work."""
-        if state.get("world_size", self.world_size) != self.world_size:
-            raise ValueError(
-                f"checkpoint was written by {state['world_size']} workers, this run "
-                f"has {self.world_size}: residuals and schedules do not carry over"
-            )
-        for part, key in ((self.compressor, "compressor"), (self.memory, "memory")):
-            load = getattr(part, "load_state_dict", None)
-            if callable(load):
-                load(state.get(key, {}))
-        self._load_own_state(state.get("communicator", {}))
-
-    def _own_state(self) -> dict[str, Any]:
-        return {}
-
-    def _load_own_state(self, state: dict[str, Any]) -> None:
-        pass
+        self.compressor.compress_ratio = density
 
 
 def _state_of(part: Any) -> dict[str, Any]:
@@ -425,34 +457,32 @@ def _state_of(part: Any) -> dict[str, Any]:
     return state() if callable(state) else {}
 
 
-class SparseAllreduce(Communicator):
-    """Base of the sparse all-reduces: the residual is decided by communication.
+class SparseAllreduce(Synchronizer):
+    """Base of the sparse all-reduces, the peers of GRACE's communicators: they select entries
+    themselves while they communicate, so there is no compressor, and the residual is decided
+    by communication. One density (`density`, set_density) and, in CodedAllreduce, one step
+    counter per name.
 
     Subclasses implement reduce(compensated_flat, name) -> (result_flat, residual_flat), where
     result is the average applied by every worker and residual is what this worker keeps. The
     invariant they promise (conservation) is
         sum_w compensated_w == P * result + sum_w residual_w      (up to float rounding)."""
 
-    def __init__(
-        self, compressor: Compressor, memory: Memory, transport: Transport | int, density: float
-    ):
-        name = type(self).__name__
-        if not isinstance(compressor, Compressor):
-            raise ValueError(
-                f"{name} selects its entries itself, while it communicates (exact top-k per "
-                f"block), so it would ignore the compressor {type(compressor).__name__}: give it "
-                "this library's compressor 'topk', or run your compressor over 'allgather', "
-                "'allreduce' or 'broadcast'"
-            )
+    def __init__(self, memory: Memory, transport: Transport | int | None, density: float):
         if not callable(getattr(memory, "store_residual", None)):
             raise ValueError(
-                f"{name} decides the residual during communication and hands it to the memory's "
-                f"store_residual(name, residual, result), which {type(memory).__name__} lacks: "
-                "use memory 'global_residual', 'residual' or 'none', or give yours that method"
+                f"{type(self).__name__} decides the residual during communication and hands it "
+                f"to the memory's store_residual(name, residual, result), which "
+                f"{type(memory).__name__} lacks: use memory 'global_residual', 'residual' or "
+                "'none', or give yours that method"
             )
-        super().__init__(compressor, memory, transport)
+        super().__init__(memory, transport)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density (compress_ratio) must be in (0, 1], got {density}")
+        self.density = float(density)
+
+    def set_density(self, density: float) -> None:
+        _check_density(density)
         self.density = float(density)
 
     def synchronize(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -469,9 +499,6 @@ class SparseAllreduce(Communicator):
         result = result.view(tensor.shape)
         self.memory.store_residual(name, residual.view(tensor.shape), result)
         return result
-
-    def send_receive(self, tensors, name, ctx):  # pragma: no cover - sparse all-reduces use reduce
-        raise NotImplementedError("sparse all-reduces communicate in reduce()")
 
     def compensation_buffer(self, tensor: torch.Tensor, name: str) -> torch.Tensor | None:
         """A flat buffer of tensor.numel() entries for the memory to write this step's

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .api import Communicator
+from .api import Synchronizer
 from .sync import Bucket, GradientSync, settle
 
 
@@ -46,7 +46,7 @@ class CommHookState:
 
     def __init__(
         self,
-        grace: Communicator,
+        grace: Synchronizer,
         model: torch.nn.Module,
         dense_warmup_steps: int = 0,
         min_numel: int = 0,

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from .api import Communicator, communication_dtype
+from .api import Synchronizer, communication_dtype
 from .buffers import BufferPool
 from .fusion import assign_grads, flatten_grads
 from .sync import Bucket, GradientSync
@@ -100,7 +100,7 @@ class _DistributedOptimizer:
 
     def _setup(
         self,
-        grace: Communicator,
+        grace: Synchronizer,
         named,
         backward_passes_per_step: int,
         bucket_cap_mb: float | None,
@@ -131,7 +131,7 @@ class _DistributedOptimizer:
         ]
 
     @property
-    def grace(self) -> Communicator:
+    def grace(self) -> Synchronizer:
         return self._sync.grace
 
     @property
@@ -234,7 +234,7 @@ class _DistributedOptimizer:
         self._sync.load_state_dict(state)
 
 
-def _check_momentum(optimizer: torch.optim.Optimizer, grace: Communicator) -> None:
+def _check_momentum(optimizer: torch.optim.Optimizer, grace: Synchronizer) -> None:
     """Momentum correction moves the momentum into the memory; a second momentum in the
     optimizer would apply it twice (DGC runs plain SGD on the synchronised result)."""
     mc = getattr(grace.memory, "momentum_correction", 0.0)
@@ -248,7 +248,7 @@ def _check_momentum(optimizer: torch.optim.Optimizer, grace: Communicator) -> No
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
-    grace: Communicator | None = None,
+    grace: Synchronizer | None = None,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
     backward_passes_per_step: int = 1,
     bucket_cap_mb: float | None = None,

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import compressors as C
 from . import memories as M
-from .api import Communicator, Compressor, Memory
+from .api import Compressor, Memory, Synchronizer
 from .communicators.dense import Dense
 from .communicators.grace import Allgather, Allreduce, Broadcast
 from .communicators.gtopk import RESIDUAL_RULES, GTopk
@@ -74,7 +74,9 @@ MEMORIES: dict[str, Callable[[dict], Memory]] = {
     "powersgd": lambda p: M.PowerSGDMemory(),
 }
 
-Build = Callable[[Compressor, Memory, Transport, dict[str, Any], PayloadCodec | None], Communicator]
+Build = Callable[
+    [Compressor | None, Memory, Transport, dict[str, Any], PayloadCodec | None], Synchronizer
+]
 
 
 @dataclass(frozen=True)
@@ -89,15 +91,28 @@ class Algorithm:
     doc: str
 
 
-def _sparse(cls: Callable[..., Communicator], **keys: str) -> Build:
+def _grace(cls: Callable[[Compressor, Memory, Transport], Synchronizer]) -> Build:
+    """Build GRACE's communicator `cls` from its compressor, memory and transport."""
+
+    def build(
+        c: Compressor | None, m: Memory, t: Transport, p: dict[str, Any], codec: PayloadCodec | None
+    ) -> Synchronizer:
+        if c is None:
+            raise ValueError(f"{cls.__name__} is GRACE's communicator: it needs a compressor")
+        return cls(c, m, t)
+
+    return build
+
+
+def _sparse(cls: Callable[..., Synchronizer], **keys: str) -> Build:
     """Build a sparse all-reduce `cls` with the density, the codec, and the params `keys`
     names (constructor argument=param key)."""
 
     def build(
-        c: Compressor, m: Memory, t: Transport, p: dict[str, Any], codec: PayloadCodec | None
-    ) -> Communicator:
+        c: Compressor | None, m: Memory, t: Transport, p: dict[str, Any], codec: PayloadCodec | None
+    ) -> Synchronizer:
         extra = {arg: p[key] for arg, key in keys.items()}
-        return cls(c, m, t, p["compress_ratio"], codec=codec, **extra)
+        return cls(m, t, p["compress_ratio"], codec=codec, **extra)
 
     return build
 
@@ -108,19 +123,19 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm(
             "allreduce",
             "grace",
-            lambda c, m, t, p, codec: Allreduce(c, m, t),
+            _grace(Allreduce),
             "GRACE's: sums the compressed tensors (linear compressors)",
         ),
         Algorithm(
             "allgather",
             "grace",
-            lambda c, m, t, p, codec: Allgather(c, m, t),
+            _grace(Allgather),
             "GRACE's: gathers every worker's compressed tensors",
         ),
         Algorithm(
             "broadcast",
             "grace",
-            lambda c, m, t, p, codec: Broadcast(c, m, t),
+            _grace(Broadcast),
             "GRACE's: each worker broadcasts its compressed tensors in turn",
         ),
         Algorithm("topka", "sparse", _sparse(TopkA), "top-k of each worker, all-gathered"),
@@ -164,7 +179,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm(
             "dense",
             "dense",
-            lambda c, m, t, p, codec: Dense(c, m, t),
+            lambda c, m, t, p, codec: Dense(m, t),
             "the uncompressed all-reduce, for comparison",
         ),
     )
@@ -444,7 +459,7 @@ def _check_combination(p: dict[str, Any], coded: bool) -> None:
 
 def grace_from_params(
     params: dict[str, Any], transport: Transport | None = None, codec: PayloadCodec | None = None
-) -> Communicator:
+) -> Synchronizer:
     """Build the communicator described by GRACE-style `params` (see the module docstring).
 
     'compressor' and 'memory' may be objects instead of names: a GRACE user's own (GRACE's
@@ -487,6 +502,30 @@ def grace_from_params(
         raise ValueError(
             f"world_size {p['world_size']} does not match the transport's {transport.size} ranks"
         )
-    compressor = given["compressor"] if "compressor" in given else COMPRESSORS[p["compressor"]](p)
+    algorithm = ALGORITHMS[comm]
+    compressor = None
+    if algorithm.family == "grace":
+        compressor = (
+            given["compressor"] if "compressor" in given else COMPRESSORS[p["compressor"]](p)
+        )
+    elif "compressor" in given:
+        _check_ignored_compressor(algorithm, given["compressor"])
     memory = given["memory"] if "memory" in given else MEMORIES[p["memory"]](p)
-    return ALGORITHMS[comm].build(compressor, memory, transport, p, codec)
+    return algorithm.build(compressor, memory, transport, p, codec)
+
+
+def _check_ignored_compressor(algorithm: Algorithm, compressor: Any) -> None:
+    """A sparse all-reduce selects its entries itself and the dense one sends everything, so
+    neither has a compressor: the names GRACE users' configs give them ('topk'; 'none' for
+    dense), by name or as this library's compressor object, are accepted; any other compressor
+    would be silently ignored and is refused."""
+    accepted = (
+        (C.TopKCompressor, C.NoneCompressor) if algorithm.family == "dense" else C.TopKCompressor
+    )
+    if not isinstance(compressor, accepted):
+        raise ValueError(
+            f"{algorithm.name} selects its entries itself, while it communicates (exact top-k "
+            f"per block), so it would ignore the compressor {type(compressor).__name__}: give "
+            "it this library's compressor 'topk', or run your compressor over 'allgather', "
+            "'allreduce' or 'broadcast'"
+        )

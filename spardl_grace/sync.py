@@ -24,9 +24,8 @@ from typing import Any
 import torch
 
 from .agreement import agree
-from .api import Communicator, Memory, communication_dtype, communication_thread, fulfil
+from .api import Memory, Synchronizer, communication_dtype, communication_thread, fulfil
 from .communicators.dense import Dense
-from .compressors.none import NoneCompressor
 from .memories.none import NoneMemory
 
 
@@ -165,15 +164,15 @@ class GradientSync:
 
     def __init__(
         self,
-        grace: Communicator,
+        grace: Synchronizer,
         dense_warmup_steps: int = 0,
         min_numel: int = 0,
         overlap: bool = True,
         thread_name: str = "spardl-comm",
     ):
-        if not isinstance(grace, Communicator):
+        if not isinstance(grace, Synchronizer):
             raise TypeError(
-                f"grace must be a spardl_grace Communicator (grace_from_params(...)), "
+                f"grace must be a spardl_grace Synchronizer (from grace_from_params(...)), "
                 f"got {type(grace).__name__}"
             )
         for what, value in (("dense_warmup_steps", dense_warmup_steps), ("min_numel", min_numel)):
@@ -181,7 +180,7 @@ class GradientSync:
                 raise ValueError(f"{what} must be an int >= 0, got {value!r}")
         self.grace = grace
         grace.reuse_results = True  # each result is copied into the gradients before the next step
-        self.dense = Dense(NoneCompressor(), NoneMemory(), grace.transport)
+        self.dense = Dense(NoneMemory(), grace.transport)
         self.dense_warmup_steps = dense_warmup_steps
         self.min_numel = min_numel
         self.steps = 0

@@ -112,3 +112,30 @@ def test_ranks_with_another_runs_checkpoint_all_refuse():
     messages = run_local(3, _agree, [7, 7, 7], ["run-a", "run-a", "run-b"])
     assert len(set(messages)) == 1
     assert "different runs: ranks [2]" in messages[0]
+
+
+# The sparse all-reduces' state dicts held a 'compressor' entry (an unused top-k compressor's
+# state) until they became peers of GRACE's communicators instead of subclasses; the fixture is
+# what the code before that change saved (4 ranks, after 3 steps) and its next step's result.
+OLD_STATES = Path(__file__).parent / "data" / "sparse_allreduce_states_before_peer_bases.pt"
+OLD_CONFIGS = {"spardl": {"communicator": "spardl", "teams": 2},
+               "oktopk": {"communicator": "oktopk", "oktopk_threshold_interval": 2},
+               "gtopk": {"communicator": "gtopk"}}
+
+
+@pytest.mark.parametrize("comm", sorted(OLD_CONFIGS))
+def test_sparse_allreduce_checkpoints_from_before_the_peer_bases_resume_bit_identically(comm):
+    from spardl_grace import grace_from_params
+    saved = torch.load(OLD_STATES, weights_only=True)[comm]
+    assert "compressor" in saved["states"][0]  # the old layout
+
+    def fn(t):
+        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
+                                 "compress_ratio": 0.1, **OLD_CONFIGS[comm]}, transport=t)
+        grc.load_state_dict(saved["states"][t.rank])
+        g = torch.Generator().manual_seed(t.rank)
+        grads = [torch.randn(200, generator=g) for _ in range(4)]
+        return grc.step(grads[3], "w"), grc.state_dict()
+    for result, state in run_local(4, fn):
+        assert torch.equal(result, saved["next"])
+        assert "compressor" not in state

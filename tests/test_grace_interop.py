@@ -90,9 +90,17 @@ def test_sparse_allreduces_refuse_what_they_would_ignore():
     with pytest.raises(ValueError, match="selects its entries itself.*PlainTopK.*'allgather'"):
         run_local(2, foreign_compressor)
 
+    def own_compressor(t, compressor):
+        grc = grace_from_params({"compressor": compressor, "communicator": "spardl",
+                                 "memory": "global_residual"}, transport=t)
+        return hasattr(grc, "compressor")
+    from spardl_grace.compressors import RandomKCompressor, TopKCompressor
+    assert run_local(2, own_compressor, TopKCompressor(0.1)) == [False, False]  # GRACE's config
+    with pytest.raises(ValueError, match="ignore the compressor RandomKCompressor"):
+        run_local(2, own_compressor, RandomKCompressor(0.1))
+
     def foreign_memory(t):
-        from spardl_grace.compressors import TopKCompressor
-        SparDL(TopKCompressor(0.1), gs.PlainResidual(), t, 0.1)
+        SparDL(gs.PlainResidual(), t, 0.1)
     with pytest.raises(ValueError, match="store_residual.*PlainResidual lacks"):
         run_local(2, foreign_memory)
 
@@ -128,10 +136,13 @@ def test_registered_as_virtual_subclasses_of_grace_dls_abcs(tmp_path):
         import grace_dl.dist, grace_dl.torch
         from spardl_grace import grace_from_params, run_local
         def fn(t):
-            grc = grace_from_params({'compressor': 'topk', 'memory': 'global_residual',
-                                     'communicator': 'spardl'}, transport=t)
+            grc = grace_from_params({'compressor': 'topk', 'memory': 'residual',
+                                     'communicator': 'allgather'}, transport=t)
+            sparse = grace_from_params({'compressor': 'topk', 'memory': 'global_residual',
+                                        'communicator': 'spardl'}, transport=t)
             return [isinstance(grc.compressor, m.Compressor) and isinstance(grc.memory, m.Memory)
-                    and isinstance(grc, m.Communicator) for m in (grace_dl.dist, grace_dl.torch)]
+                    and isinstance(grc, m.Communicator) and isinstance(sparse, m.Communicator)
+                    for m in (grace_dl.dist, grace_dl.torch)]
         print(run_local(2, fn)[0])
         """)
     env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}

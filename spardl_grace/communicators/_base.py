@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..api import Compressor, Memory, SparseAllreduce
+from ..api import Memory, SparseAllreduce
 from ..buffers import BufferPool, Scratch
 from ..payload import IdentityCodec, PayloadCodec
 from ..transport import Transport
@@ -30,13 +30,12 @@ class CodedAllreduce(SparseAllreduce):
 
     def __init__(
         self,
-        compressor: Compressor,
         memory: Memory,
         transport: Transport,
         density: float,
         codec: PayloadCodec | None = None,
     ):
-        super().__init__(compressor, memory, transport, density)
+        super().__init__(memory, transport, density)
         self.codec = codec or IdentityCodec()
         self._steps: dict[str, int] = {}
         self.scratch = Scratch()  # per-step temporaries of selection, reused

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..api import Compressor, Memory, SparseAllreduce
+from ..api import Memory, SparseAllreduce
 from ..transport import Transport
 from .exchange import Exchange
 
@@ -17,10 +17,8 @@ from .exchange import Exchange
 class Dense(SparseAllreduce):
     """The 'dense' communicator: all-reduce, average, zero residual. Ignores the density."""
 
-    def __init__(
-        self, compressor: Compressor, memory: Memory, transport: Transport, density: float = 1.0
-    ):
-        super().__init__(compressor, memory, transport, density)
+    def __init__(self, memory: Memory, transport: Transport, density: float = 1.0):
+        super().__init__(memory, transport, density)
         self._zeros: dict[str, torch.Tensor] = {}
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:

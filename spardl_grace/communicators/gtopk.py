@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..api import Compressor, Memory
+from ..api import Memory
 from ..payload import PayloadCodec, frame_overhead, pack_frames, unpack_frames
 from ..selection import count_for_ratio, topk_abs
 from ..transport import Transport
@@ -69,14 +69,13 @@ class GTopk(CodedAllreduce):
 
     def __init__(
         self,
-        compressor: Compressor,
         memory: Memory,
         transport: Transport,
         density: float,
         residual_rule: str = "exact",
         codec: PayloadCodec | None = None,
     ):
-        super().__init__(compressor, memory, transport, density, codec)
+        super().__init__(memory, transport, density, codec)
         if residual_rule not in RESIDUAL_RULES:
             raise ValueError(
                 f"unknown gtopk residual rule {residual_rule!r}; valid choices: "

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ..api import Compressor, Memory
+from ..api import Memory
 from ..params import int_at_least, number_above, ranged
 from ..payload import PayloadCodec
 from ..selection import count_for_ratio, topk_abs
@@ -123,7 +123,6 @@ class OkTopk(CodedAllreduce):
 
     def __init__(
         self,
-        compressor: Compressor,
         memory: Memory,
         transport: Transport,
         density: float,
@@ -134,7 +133,7 @@ class OkTopk(CodedAllreduce):
         global_scale: float = DEFAULTS["global_scale"],
         codec: PayloadCodec | None = None,
     ):
-        super().__init__(compressor, memory, transport, density, codec)
+        super().__init__(memory, transport, density, codec)
         check_params(warmup, threshold_interval, region_interval, local_scale, global_scale)
         self.warmup = warmup
         self.threshold_interval = threshold_interval

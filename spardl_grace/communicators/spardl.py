@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..api import Compressor, Memory, communication_dtype
+from ..api import Memory, communication_dtype
 from ..payload import PayloadCodec
 from ..selection import topk_abs
 from ..transport import Transport
@@ -61,14 +61,13 @@ class SparDL(CodedAllreduce):
 
     def __init__(
         self,
-        compressor: Compressor,
         memory: Memory,
         transport: Transport,
         density: float,
         teams: int = 1,
         codec: PayloadCodec | None = None,
     ):
-        super().__init__(compressor, memory, transport, density, codec)
+        super().__init__(memory, transport, density, codec)
         if not isinstance(teams, int) or teams < 1 or transport.size % teams:
             divisors = [d for d in range(1, transport.size + 1) if transport.size % d == 0]
             raise ValueError(
