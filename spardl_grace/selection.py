@@ -6,6 +6,7 @@ spardl_grace.communicators.collectives.global_kth_magnitude."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -49,17 +50,29 @@ def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([found, torch.nonzero(flags[head:]).reshape(-1) + head])
 
 
+@functools.lru_cache(maxsize=256)
+def sample_stride(approx: int) -> int:
+    """The smallest prime >= approx (and >= 2): the prefilter's sample stride. Gradients have
+    periodic zeros (the 8 border taps of a 3x3 kernel that only ever sees 1x1 inputs, dead
+    channels), and a stride that is a multiple of their period samples one phase of them only,
+    all zeros or none, which misjudges the threshold; a prime stride samples every phase."""
+    candidate = max(2, approx)
+    while any(candidate % d == 0 for d in range(2, math.isqrt(candidate) + 1)):
+        candidate += 1
+    return candidate
+
+
 def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torch.Tensor:
     """Indices (int64) of the k largest |flat|, in no particular order.
 
-    For large tensors and k <= n/8, a threshold t is first estimated from an evenly strided
-    sample so that about 1.5 k entries have |x| >= t, and torch.topk runs over those
-    candidates only. Whenever at least k entries pass, the candidates hold every entry of the
-    top k, so the result is the exact top-k (ties at the k-th magnitude may be broken
-    differently); otherwise the full torch.topk runs. On a CPU this is several times faster
-    than torch.topk over all entries (benchmarks.comm measures it). With `scratch`, the
-    magnitudes and the candidate mask are written into its buffers instead of new tensors
-    (same result)."""
+    For large tensors and k <= n/8, a threshold t is first estimated from a sample strided by
+    a prime (sample_stride) so that about 1.5 k entries have |x| >= t (|x| > 0 when the sample
+    says t = 0), and torch.topk runs over those candidates only. Whenever at least k entries
+    pass, the candidates hold every entry of the top k, so the result is the exact top-k (ties
+    at the k-th magnitude may be broken differently); otherwise the full torch.topk runs. On
+    a CPU this is several times faster than torch.topk over all entries (benchmarks.comm
+    measures it). With `scratch`, the magnitudes and the candidate mask are written into its
+    buffers instead of new tensors (same result)."""
     n = flat.numel()
     if k >= n:
         return torch.arange(n, device=flat.device)
@@ -68,14 +81,16 @@ def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torc
     else:
         magnitudes = torch.abs(flat, out=scratch.get("magnitudes", n, flat.dtype, flat.device))
     if n >= PREFILTER_MIN_NUMEL and k <= n // 8:
-        stride = n // PREFILTER_SAMPLE
-        sample = magnitudes[::stride]
+        sample = magnitudes[:: sample_stride(n // PREFILTER_SAMPLE)]
         rank = min(sample.numel(), math.ceil(sample.numel() * PREFILTER_MARGIN * k / n) + 8)
         threshold = torch.topk(sample, rank, sorted=False).values.min()
+        # Where the sample's threshold is 0, the zeros cannot be among the top k unless fewer
+        # than k entries are non-zero (then the full top-k below runs).
+        compare = torch.gt if bool(threshold == 0) else torch.ge
         if scratch is None:
-            mask = magnitudes >= threshold
+            mask = compare(magnitudes, threshold)
         else:
-            mask = torch.ge(
+            mask = compare(
                 magnitudes, threshold, out=scratch.get("mask", n, torch.bool, flat.device)
             )
         if PREFILTER_MARGIN * k <= WORDWISE_MAX_FRACTION * n:

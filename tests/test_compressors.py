@@ -184,3 +184,29 @@ def test_topk_abs_prefilter_gives_the_exact_top_k(layout, n, k):
     assert got.numel() == k and got.unique().numel() == k
     want = torch.topk(x.abs(), k, sorted=False).values
     assert torch.equal(x[got].abs().sort().values, want.sort().values)
+
+
+def test_topk_abs_prefilter_samples_every_phase_of_periodic_zeros(monkeypatch):
+    """A 3x3 kernel that only ever sees 1x1 inputs (VGG-16's last convolutions on 28x28
+    images) gets gradient on its centre tap only: 8 of every 9 entries are 0. A sample stride
+    that is a multiple of 9 (72 here, before the stride became prime) sees only zeros, and
+    then every entry became a candidate; now topk runs on about 1.5 k candidates, and the
+    result is the exact top-k."""
+    from spardl_grace.selection import PREFILTER_SAMPLE, sample_stride, topk_abs
+    n = PREFILTER_SAMPLE * 72
+    x = torch.zeros(n // 9, 9)
+    x[:, 4] = torch.randn(n // 9, generator=torch.Generator().manual_seed(0))
+    x = x.reshape(-1)
+    k = n // 100
+    sizes = []
+    real_topk = torch.topk
+
+    def recording_topk(t, *args, **kwargs):
+        sizes.append(t.numel())
+        return real_topk(t, *args, **kwargs)
+    monkeypatch.setattr(torch, "topk", recording_topk)
+    got = topk_abs(x, k)
+    monkeypatch.undo()
+    assert max(sizes) < 3 * k, sizes
+    assert torch.equal(x[got].abs().sort().values, torch.topk(x.abs(), k).values.sort().values)
+    assert [sample_stride(a) for a in (0, 4, 72, 100)] == [2, 5, 73, 101]
