@@ -224,9 +224,14 @@ def fulfil(handle: torch.futures.Future, run: Any, *args: Any) -> None:
     try:
         result = run(*args)
     except BaseException as exc:
-        handle.set_exception(exc)
+        fail(handle, exc)
         return
     handle.set_result(result)
+
+
+def fail(handle: torch.futures.Future, exc: BaseException) -> None:
+    """Settle `handle` with `exc` (torch's stubs type the argument as the result's type)."""
+    handle.set_exception(exc)
 
 
 def _resolve_transport(transport: Transport | int | None) -> Transport:

@@ -18,7 +18,9 @@ The hook returns at once with a pending future (GradientSync.submit(...).then(ba
 DDP's layout)), and GradientSync's communication thread synchronises the bucket, so DDP's
 backward goes on computing the next buckets' gradients meanwhile, as with DDP's own
 all-reduce. Buckets are synchronised one at a time in DDP's bucket order, which is the same on
-every rank. The last bucket's hook waits until every bucket of the step is done: DDP issues
+every rank. A step of plain dense averages queues each bucket's all-reduce in the backend
+instead (spardl_grace.sync). The last bucket's hook waits until every bucket of the step is
+done: DDP issues
 its own collectives (the map of unused parameters) right after it, and they must not race the
 thread's on the same process group; by then backward has nothing left to overlap.
 """

@@ -185,6 +185,7 @@ class _DistributedOptimizer:
         while len(self._pending) < len(self._slots):
             self._launch(self._slots[len(self._pending)])
         try:
+            self._sync.wait_queued()  # within the transport's timeout, unlike future.wait()
             for slot, future in zip(self._slots, self._pending):
                 assign_grads(slot.params, future.wait())
         finally:

@@ -15,7 +15,9 @@ the algorithms handle as on their first step.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -24,9 +26,17 @@ from typing import Any
 import torch
 
 from .agreement import agree
-from .api import Memory, Synchronizer, communication_dtype, communication_thread, fulfil
+from .api import (
+    Memory,
+    Synchronizer,
+    communication_dtype,
+    communication_thread,
+    fail,
+    fulfil,
+)
 from .communicators.dense import Dense
 from .memories.none import NoneMemory
+from .transport.base import QueuedOp
 
 
 @dataclass(frozen=True)
@@ -160,7 +170,15 @@ class GradientSync:
     untouched), as DGC-style warm-up. min_numel: buckets smaller than this are always sent
     dense (a few tiny tensors do not repay selection and headers). overlap: synchronise on a
     communication thread (off, or with an MPI library without MPI_THREAD_MULTIPLE, submit()
-    synchronises before it returns a completed future)."""
+    synchronises before it returns a completed future).
+
+    A step in which every bucket is a plain dense average (the dense warm-up, or the 'dense'
+    communicator with a memory that keeps nothing) does not use the thread where the transport
+    queues collectives (torch.distributed): each bucket's all-reduce is queued in the backend
+    as soon as it is submitted, in place of the bucket, and the backend runs them back to back
+    while backward goes on, as DDP's own all-reduces do. Only whole steps are queued: queued
+    operations and the thread's could interleave differently on different ranks. The results
+    are the same bits either way; a queued step's comm_s is not measured (0)."""
 
     def __init__(
         self,
@@ -191,6 +209,8 @@ class GradientSync:
         # Without a thread, buckets are synchronised where they become ready.
         self._executor = communication_thread(grace.transport, thread_name) if overlap else None
         self._pending: list[torch.futures.Future[torch.Tensor]] = []
+        self._queued: list[tuple[QueuedOp, torch.futures.Future[torch.Tensor]]] = []
+        self._settling = threading.Lock()  # a queued op's callback and wait_queued() race
         self._step_error: BaseException | None = None
 
     @property
@@ -205,11 +225,73 @@ class GradientSync:
         the same order within a step, then call end_step()."""
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._pending.append(future)
-        if self._executor is None:
+        queueing = self._queueing()
+        if queueing is not None:
+            self._queue(queueing, flat, bucket, future)
+        elif self._executor is None:
             fulfil(future, self._synchronize_in_step, flat, bucket)
         else:
             self._executor.submit(fulfil, future, self._synchronize_in_step, flat, bucket)
         return future
+
+    def _queueing(self) -> Dense | None:
+        """The dense communicator whose all-reduces this step queues in the backend, if every
+        bucket of the step is a plain dense average and the transport queues collectives
+        (see the class docstring); None: the step runs on the thread."""
+        if self._executor is None or not self.grace.transport.queues_collectives:
+            return None
+        if self.steps < self.dense_warmup_steps:
+            return self.dense
+        if isinstance(self.grace, Dense) and self.grace.can_queue:
+            return self.grace
+        return None
+
+    def _queue(
+        self,
+        dense: Dense,
+        flat: torch.Tensor,
+        bucket: Bucket,
+        future: torch.futures.Future[torch.Tensor],
+    ) -> None:
+        """Queue the bucket's all-reduce (in place of `flat` where it has the communication
+        dtype); `future` gets the average, or the error, as the thread would give it."""
+        try:
+            if self._step_error is not None:
+                raise self._step_error
+            self._check_bucket(flat, bucket)
+            queued = dense.queue(flat.to(communication_dtype(flat.dtype)), bucket.key)
+        except BaseException as exc:
+            self._step_error = self._step_error or exc
+            fail(future, exc)
+            return
+        self._add_stats(dense.last_stats)
+        self._queued.append((queued, future))
+        queued.future.add_done_callback(functools.partial(self._settle_queued, future))
+
+    def _settle_queued(
+        self, future: torch.futures.Future[torch.Tensor], done: torch.futures.Future
+    ) -> None:
+        with self._settling:
+            if future.done():
+                return
+            try:
+                future.set_result(done.value())
+            except BaseException as exc:
+                fail(future, exc)
+
+    def wait_queued(self) -> None:
+        """Wait, within the transport's timeout, for the all-reduces this step queued: one
+        that fails or times out fails its future (TransportTimeout, TransportError) and the
+        step, so a dead peer never leaves a queued bucket pending forever."""
+        queued, self._queued = self._queued, []
+        for op, future in queued:
+            try:
+                op.wait()
+            except BaseException as exc:
+                self._step_error = self._step_error or exc
+                with self._settling:
+                    if not future.done():
+                        fail(future, exc)
 
     def _synchronize_in_step(self, flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """synchronize(), failing at once with the step's error when an earlier bucket of the
@@ -231,19 +313,7 @@ class GradientSync:
         """The average over ranks of `flat` (the bucket's gradients), identical on every rank,
         in communication_dtype(flat.dtype). Every rank must call it for the same buckets in
         the same order."""
-        if flat.dim() != 1 or flat.numel() != bucket.numel:
-            raise ValueError(
-                f"bucket {bucket.key} holds {bucket.numel} entries, "
-                f"got a buffer of shape {tuple(flat.shape)}"
-            )
-        if bucket not in self._agreed:
-            # The communicator checks the bucket's total size; the layout inside must match too.
-            agree(
-                self.grace.transport,
-                f"the layout of bucket {bucket.key}",
-                {"parameters": list(bucket.names), "numels": list(bucket.numels)},
-            )
-            self._agreed.add(bucket)
+        self._check_bucket(flat, bucket)
         flat = flat.to(communication_dtype(flat.dtype))
         # A communication thread starts on CUDA device 0, not on the device the rank chose.
         with torch.cuda.device(flat.device) if flat.is_cuda else nullcontext():
@@ -258,6 +328,23 @@ class GradientSync:
             self._add_stats(self.grace.last_stats)
             return result
 
+    def _check_bucket(self, flat: torch.Tensor, bucket: Bucket) -> None:
+        """ValueError if `flat` is not the bucket's flat buffer; the first time, the ranks
+        agree on the bucket's layout (the communicator checks its total size; the layout
+        inside must match too)."""
+        if flat.dim() != 1 or flat.numel() != bucket.numel:
+            raise ValueError(
+                f"bucket {bucket.key} holds {bucket.numel} entries, "
+                f"got a buffer of shape {tuple(flat.shape)}"
+            )
+        if bucket not in self._agreed:
+            agree(
+                self.grace.transport,
+                f"the layout of bucket {bucket.key}",
+                {"parameters": list(bucket.names), "numels": list(bucket.numels)},
+            )
+            self._agreed.add(bucket)
+
     def _add_stats(self, stats: dict[str, float]) -> None:
         for key, value in stats.items():
             self._step_stats[key] = self._step_stats.get(key, 0) + value
@@ -266,6 +353,7 @@ class GradientSync:
         """Close the step: wait for its submitted buckets; if all succeeded the step counts
         (steps + 1, its statistics become last_stats), if one failed (its error went to its
         future) the step is dropped and the next one starts afresh."""
+        self.wait_queued()
         for future in self._pending:
             settle(future)
         failed = self._step_error is not None

@@ -416,6 +416,23 @@ def test_ddp_comm_hook_overlaps_backward_under_torchrun(launch):
         assert r[True]["steps"] == r[False]["steps"] == 8
 
 
+def test_dense_steps_queue_their_all_reduces_in_gloo_with_the_same_bits(launch):
+    """With overlap, a dense step's all-reduces are queued in gloo as DDP queues its own (no
+    communication thread, so comm_s is not measured), through DistributedOptimizer and the
+    DDP hook alike; the models are bit for bit those of the unqueued path."""
+    results = launch("gloo", 3, "training_scenarios.queued_dense")
+    for overlap in (True, False):
+        for path in ("optimizer", "hook"):
+            assert_identical([r[overlap][path] for r in results])
+    for r in results:
+        assert r[True]["buckets"] > 1
+        for path in ("optimizer", "hook"):
+            assert torch.equal(r[True][path], r[False][path])
+            queued, unqueued = r[True][f"{path}_stats"], r[False][f"{path}_stats"]
+            assert queued["comm_s"] == 0 < unqueued["comm_s"]
+            assert queued["bytes_sent"] == unqueued["bytes_sent"] > 0
+
+
 def _dying_rank(rank: int, init_file: str, queue) -> None:
     import torch.distributed as dist
     from datetime import timedelta

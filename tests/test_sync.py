@@ -4,7 +4,9 @@ fails the rest of its step at once, and end_step() counts only whole steps. Rank
 (run_local) with a transport that holds every message until the test opens a gate."""
 from __future__ import annotations
 
+import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ import torch
 import training_scenarios as ts
 from spardl_grace import grace_from_params, run_local
 from spardl_grace.sync import Bucket, GradientSync
+from spardl_grace.transport import TransportTimeout
+from spardl_grace.transport.base import QueuedOp
 
 BUCKETS = [Bucket(("a", "b"), (300, 200)), Bucket(("c",), (700,))]
 
@@ -26,6 +30,19 @@ def _sync(transport, overlap: bool) -> GradientSync:
                         overlap=overlap)
 
 
+def _gated_step(sync, reference, gate, rank, step):
+    """One step submitted to `sync` while the gate holds its messages, then opened; the
+    futures' pending flags on return, their results, and `reference`'s synchronize()."""
+    futures = [sync.submit(g.clone(), b) for g, b in zip(_grads(rank, step), BUCKETS)]
+    pending = [not f.done() for f in futures]
+    gate.set()
+    sync.end_step()
+    gate.clear()
+    expected = [reference.synchronize(g, b) for g, b in zip(_grads(rank, step), BUCKETS)]
+    reference.end_step()
+    return pending, [f.wait() for f in futures], expected
+
+
 def test_submit_is_pending_until_the_exchange_ends_and_equals_synchronize():
     def fn(t):
         gate = threading.Event()
@@ -33,14 +50,7 @@ def test_submit_is_pending_until_the_exchange_ends_and_equals_synchronize():
         reference = _sync(t, overlap=False)
         out = []
         for step in range(3):
-            futures = [sync.submit(g, b) for g, b in zip(_grads(t.rank, step), BUCKETS)]
-            pending = [not f.done() for f in futures]
-            gate.set()
-            sync.end_step()
-            gate.clear()
-            expected = [reference.synchronize(g, b) for g, b in zip(_grads(t.rank, step), BUCKETS)]
-            reference.end_step()
-            out.append((pending, [f.wait() for f in futures], expected))
+            out.append(_gated_step(sync, reference, gate, t.rank, step))
         return out, sync.steps, sync.last_stats, reference.last_stats
 
     for steps, count, stats, reference_stats in run_local(3, fn):
@@ -124,3 +134,98 @@ def test_a_failed_overlapped_step_raises_from_receive_step():
         return True
 
     assert all(run_local(1, fn))
+
+
+class _QueuingTransport(ts._GatedTransport):
+    """Queues all-reduces as a backend does (torch.distributed's gloo): one worker per rank
+    runs them in order once the gate is open; wait() gives up after `timeout` seconds. Other
+    messages go straight through."""
+
+    queues_collectives = True
+
+    def __init__(self, inner, gate: threading.Event, timeout: float = 60):
+        super().__init__(inner, gate)
+        self.timeout = timeout
+        self.callers: set[str] = set()
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def _hold(self) -> None:
+        self.threads.add(threading.current_thread().name)
+
+    def _work(self) -> None:
+        while True:
+            tensor, name, future, done = self.jobs.get()
+            self.gate.wait(120)
+            try:
+                tensor.copy_(self.inner.allreduce(tensor, name))
+                future.set_result(tensor)
+            except BaseException as exc:
+                future.set_exception(exc)
+            done.set()
+
+    def allreduce_async_(self, tensor, name):
+        self.callers.add(threading.current_thread().name)
+        future, done = torch.futures.Future(), threading.Event()
+        self.jobs.put((tensor, name, future, done))
+
+        def wait():
+            if not done.wait(self.timeout):
+                raise TransportTimeout(f"rank {self.rank}: '{name}' timed out")
+        return QueuedOp(future, wait)
+
+
+DENSE = {"compressor": "none", "memory": "none", "communicator": "dense"}
+
+
+@pytest.mark.parametrize("params,warmup", [(DENSE, 0), (ts.params_for("spardl", 0.1), 2)],
+                         ids=["dense", "spardl-dense-warm-up"])
+def test_dense_steps_are_queued_in_the_backend_with_the_same_bits(params, warmup):
+    """Where the transport queues collectives, a step whose buckets are all dense averages
+    queues each bucket's all-reduce from the submitting thread (pending until the backend runs
+    it) instead of using the communication thread; after SparDL's dense warm-up the thread
+    takes over. Results are bit for bit those of the unqueued path."""
+    def fn(t):
+        gate = threading.Event()
+        queuing = _QueuingTransport(t, gate)
+        sync = GradientSync(grace_from_params(params, transport=queuing), warmup, overlap=True)
+        reference = GradientSync(grace_from_params(params, transport=t), warmup, overlap=False)
+        out = []
+        for step in range(4):
+            out.append((*_gated_step(sync, reference, gate, t.rank, step),
+                        sync.last_stats["comm_s"]))
+        return out, queuing.callers, queuing.threads
+
+    for steps, callers, threads in run_local(3, fn):
+        queued_steps = 4 if warmup == 0 else warmup
+        for step, (pending, got, expected, comm_s) in enumerate(steps):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+            if step < queued_steps:
+                assert pending == [True, True] and comm_s == 0
+        assert len(callers) == 1 and not any(c.startswith("spardl-comm") for c in callers)
+        # The thread communicates only in SparDL's sparse steps.
+        assert any(name.startswith("spardl-comm") for name in threads) == (warmup > 0)
+
+
+def test_a_queued_all_reduce_that_never_completes_times_out_and_drops_the_step():
+    """A peer that never joins a queued all-reduce: the step's futures fail with
+    TransportTimeout within the transport's timeout, not a hang, and the step does not count."""
+    def fn(t):
+        gate = threading.Event()
+        sync = GradientSync(grace_from_params(DENSE, transport=_QueuingTransport(t, gate, 0.5)),
+                            overlap=True)
+        futures = [sync.submit(g, b) for g, b in zip(_grads(t.rank, 0), BUCKETS)]
+        started = time.monotonic()
+        sync.end_step()
+        waited = time.monotonic() - started
+        errors = []
+        for future in futures:
+            with pytest.raises(TransportTimeout) as caught:
+                future.wait()
+            errors.append(str(caught.value))
+        gate.set()  # the backend runs them late: the futures keep their errors
+        return errors, waited, sync.steps
+
+    for errors, waited, steps in run_local(2, fn):
+        assert all("timed out" in e for e in errors) and len(errors) == 2
+        assert waited < 30 and steps == 0

@@ -110,7 +110,11 @@ def ddp_matches_optimizer(transport, steps: int = 12, dense_warmup_steps: int = 
 
 
 class _GatedTransport(CountingTransport):
-    """Holds every message until `gate` is set, and records the threads that communicate."""
+    """Holds every message until `gate` is set, and records the threads that communicate.
+    It gates the communication thread's messages, so dense steps are not queued in the
+    backend past it (queued_dense tests those)."""
+
+    queues_collectives = False
 
     def __init__(self, inner, gate: threading.Event):
         super().__init__(inner)
@@ -191,3 +195,29 @@ def ddp_overlap(transport, steps: int = 8) -> dict:
         out[overlap] = {"params": flat_params(model), "losses": torch.tensor(losses),
                         "calls": calls, "threads": sorted(gated.threads), "steps": state.sync.steps}
     return out
+
+
+DENSE = {"compressor": "none", "memory": "none", "communicator": "dense"}
+
+
+def queued_dense(transport, steps: int = 6) -> dict:
+    """Dense training on several buckets through DistributedOptimizer and through the DDP
+    hook, with overlap (every step's all-reduces queued in gloo) and without (each bucket
+    all-reduced before submit returns), needs torch.distributed: torchrun."""
+    out = {}
+    for overlap in (True, False):
+        model = mlp()
+        optimizer = make_optimizer(model, grace_from_params(DENSE, transport=transport),
+                                   bucket_cap_mb=0.05, overlap=overlap)
+        train(model, optimizer, transport.rank, transport.size, steps)
+        ddp_model = mlp()
+        ddp = torch.nn.parallel.DistributedDataParallel(ddp_model, bucket_cap_mb=0.05)
+        state = CommHookState(grace_from_params(DENSE, transport=transport), ddp, overlap=overlap)
+        ddp.register_comm_hook(state, comm_hook)
+        train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9),
+              transport.rank, transport.size, steps)
+        out[overlap] = {"optimizer": flat_params(model), "hook": flat_params(ddp_model),
+                        "optimizer_stats": dict(optimizer.last_stats),
+                        "hook_stats": dict(state.last_stats), "buckets": len(optimizer.buckets)}
+    return out
+

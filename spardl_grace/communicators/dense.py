@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from ..api import Memory, SparseAllreduce
+from ..memories.none import NoneMemory
 from ..transport import Transport
+from ..transport.base import QueuedOp
 from .exchange import Exchange
 
 
@@ -27,6 +29,25 @@ class Dense(SparseAllreduce):
             result = ex.dense_average(tensor)
         self.last_stats = ex.stats.as_dict()
         return result, self._zero_residual(name, tensor)
+
+    @property
+    def can_queue(self) -> bool:
+        """Whether queue() may stand in for step(): the memory keeps nothing (GRACE's 'none'),
+        so a step is its all-reduce alone."""
+        return isinstance(self.memory, NoneMemory)
+
+    def queue(self, tensor: torch.Tensor, name: str) -> QueuedOp:
+        """step() of the flat `tensor` with its all-reduce queued in the backend where the
+        transport can (Transport.allreduce_async_), for a memory that keeps nothing
+        (can_queue): the ranks agree on `name` now, then `tensor` is summed in place; the
+        future holds the average (`tensor` itself), bit-identical to step()'s."""
+        self.agree(tensor, name)
+        ex = Exchange(self.transport, name, ("dense",))
+        with ex.phase("dense"):
+            queued = ex.queue_sum_(tensor)
+        self.last_stats = ex.stats.as_dict()
+        size = self.transport.size
+        return QueuedOp(queued.future.then(lambda done: done.value().div_(size)), queued.wait)
 
     def _zero_residual(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """One zero tensor per name, returned every step: memories replace their entries and

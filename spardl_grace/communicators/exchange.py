@@ -32,6 +32,7 @@ from ..payload import (
     unpack_frames,
 )
 from ..transport import Transport
+from ..transport.base import QueuedOp
 from ..transport.counting import ring_allreduce_bytes
 from .schedules import bruck_rounds
 
@@ -228,6 +229,14 @@ class Exchange:
         self.stats.add_bytes(self.current_phase, ring_allreduce_bytes(nbytes, self.size))
         with self.stats.timer("comm_s"):
             return self.transport.allreduce(tensor, self.message_name(suffix))
+
+    def queue_sum_(self, tensor: torch.Tensor) -> QueuedOp:
+        """allreduce() in place of `tensor`, queued in the backend where the transport can
+        (Transport.allreduce_async_); all of its entries count as sent, its time does not."""
+        self.stats.entries[self.current_phase] = tensor.numel()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.add_bytes(self.current_phase, ring_allreduce_bytes(nbytes, self.size))
+        return self.transport.allreduce_async_(tensor, self.message_name())
 
     def dense_average(self, tensor: torch.Tensor) -> torch.Tensor:
         """The all-reduced average of `tensor`, all of whose entries count as sent."""

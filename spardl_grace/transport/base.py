@@ -22,6 +22,24 @@ import torch
 DEFAULT_TIMEOUT_S = 300.0
 
 
+class QueuedOp:
+    """An operation the backend runs while the caller goes on: `future` completes with its
+    result; wait() returns once it is done and raises TransportTimeout when it is not done
+    within the transport's timeout (TransportError if it failed), so a dead peer never makes
+    a queued operation hang forever."""
+
+    def __init__(self, future: torch.futures.Future, wait: Callable[[], None]):
+        self.future = future
+        self.wait = wait
+
+
+def completed(result: torch.Tensor) -> QueuedOp:
+    """A QueuedOp that is already done."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(result)
+    return QueuedOp(future, lambda: None)
+
+
 class TransportError(RuntimeError):
     """A communication operation failed (peer gone, mismatched program, bad arguments)."""
 
@@ -44,6 +62,8 @@ class Transport(ABC):
     timeout: float
     #: whether a background thread may communicate while the caller's thread does not
     thread_safe: bool = True
+    #: whether allreduce_async_ queues the all-reduce in the backend and returns at once
+    queues_collectives: bool = False
 
     @abstractmethod
     def sendrecv(
@@ -69,6 +89,15 @@ class Transport(ABC):
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Return the element-wise sum over ranks, bit-identical on every rank, as a new tensor
         (the caller may write into it). Input unchanged."""
+
+    def allreduce_async_(self, tensor: torch.Tensor, name: str) -> QueuedOp:
+        """Sum `tensor` over ranks in place, as allreduce() sums (the same bits). Where
+        `queues_collectives`, the backend runs it while the caller goes on, as DDP queues its
+        buckets' all-reduces; here, by default, it is done before this returns. Several may be
+        queued; every rank must queue the same ones in the same order, and wait for all of
+        them before its next operation of another kind."""
+        tensor.copy_(self.allreduce(tensor, name))
+        return completed(tensor)
 
     @abstractmethod
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:

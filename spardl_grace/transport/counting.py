@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Transport
+from .base import QueuedOp, Transport
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,16 @@ class CountingTransport(Transport):
         volume = ring_allreduce_bytes(_nbytes(tensor), self.size)
         self._record("allreduce", name, -1, volume, volume)
         return out
+
+    @property
+    def queues_collectives(self) -> bool:  # type: ignore[override]
+        return self.inner.queues_collectives
+
+    def allreduce_async_(self, tensor: torch.Tensor, name: str) -> QueuedOp:
+        volume = ring_allreduce_bytes(_nbytes(tensor), self.size)
+        queued = self.inner.allreduce_async_(tensor, name)
+        self._record("allreduce", name, -1, volume, volume)
+        return queued
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         out = self.inner.broadcast(tensor, root, name)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .base import (
     DEFAULT_TIMEOUT_S,
+    QueuedOp,
     Transport,
     TransportError,
     TransportTimeout,
@@ -34,6 +35,8 @@ class TorchDistTransport(Transport):
 
     `timeout` bounds every wait; the process group's own timeout (set at
     init_process_group) bounds the collectives inside the backend as well."""
+
+    queues_collectives = True
 
     def __init__(self, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S):
         if not dist.is_available() or not dist.is_initialized():
@@ -177,6 +180,19 @@ class TorchDistTransport(Transport):
         out = self._on_comm(tensor).clone()
         self._complete(lambda: [dist.all_reduce(out, group=self.group, async_op=True)], name)
         return out.to(tensor.device)
+
+    def allreduce_async_(self, tensor: torch.Tensor, name: str) -> QueuedOp:
+        """dist.all_reduce(async_op=True) on `tensor` itself when it is contiguous on the
+        backend's device (gloo: CPU, NCCL: CUDA), as DDP all-reduces its buckets; otherwise
+        done before this returns."""
+        if not tensor.is_contiguous() or tensor.device != self._device:
+            return super().allreduce_async_(tensor, name)
+        try:
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            raise TransportError(f"rank {self.rank}: '{name}' failed: {exc}") from exc
+        future = work.get_future().then(lambda done: (done.value(), tensor)[1])
+        return QueuedOp(future, lambda: self._complete(lambda: [work], name))
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         self._check_peer(root, "root")
