@@ -57,8 +57,14 @@ ALGORITHMS: dict[str, list[str]] = {
     "dense_25mb_no_overlap": ["--bucket-cap-mb", "25", "--no-overlap"],
     "dense_hook_25mb_no_overlap": ["--ddp-hook", "--bucket-cap-mb", "25", "--no-overlap"],
     "spardl_hook": ["--compression", "--compressor", "spardl", "--ddp-hook"],
+    # SparDL per 25 or 10 MB bucket, each synchronised while backward goes on, and without that
+    "spardl_25mb": ["--compression", "--compressor", "spardl", "--bucket-cap-mb", "25"],
+    "spardl_10mb": ["--compression", "--compressor", "spardl", "--bucket-cap-mb", "10"],
+    "spardl_25mb_no_overlap": ["--compression", "--compressor", "spardl", "--bucket-cap-mb", "25",
+                               "--no-overlap"],
 }
-SPARSE_ALGORITHMS = ("spardl", "spardl_hook", "spardl_d2", "spardl_dgcwarmup", "spardl_002",
+SPARSE_ALGORITHMS = ("spardl", "spardl_hook", "spardl_d2", "spardl_25mb", "spardl_10mb",
+                     "spardl_25mb_no_overlap", "spardl_dgcwarmup", "spardl_002",
                      "spardl_0005", "spardl_fp16", "spardl_delta_fp16", "topka", "topkdsa",
                      "gtopk", "oktopk")
 LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD hook rank 1",
@@ -72,7 +78,9 @@ LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD 
           "dense_25mb_no_overlap": "dense, 25 MB buckets, no overlap",
           "dense_hook_25mb_no_overlap": "dense via the DDP hook, 25 MB buckets, no overlap",
           "spardl_hook": "SparDL via this library's DDP hook",
-          "topka": "TopkA", "topkdsa": "TopkDSA", "gtopk": "gTop-k", "oktopk": "Ok-Topk"}
+          "topka": "TopkA", "topkdsa": "TopkDSA", "gtopk": "gTop-k", "oktopk": "Ok-Topk",
+          "spardl_25mb": "SparDL, 25 MB buckets", "spardl_10mb": "SparDL, 10 MB buckets",
+          "spardl_25mb_no_overlap": "SparDL, 25 MB buckets, no overlap"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
