@@ -18,10 +18,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,6 +37,8 @@ from .api import (
 from .communicators.dense import Dense
 from .memories.none import NoneMemory
 from .transport.base import QueuedOp
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -220,18 +222,19 @@ class GradientSync:
 
     def submit(self, flat: torch.Tensor, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
         """Synchronise `flat` (the bucket's gradients) as synchronize() does, on the
-        communication thread: the future is pending until the result is there, and holds
-        synchronize()'s exception if it fails. Every rank must submit the same buckets in
-        the same order within a step, then call end_step()."""
+        communication thread, or with its all-reduce queued in the backend in a step of plain
+        dense averages (see the class docstring): the future is pending until the result is
+        there, and holds synchronize()'s exception if it fails. Every rank must submit the
+        same buckets in the same order within a step, then call end_step()."""
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._pending.append(future)
         queueing = self._queueing()
         if queueing is not None:
             self._queue(queueing, flat, bucket, future)
         elif self._executor is None:
-            fulfil(future, self._synchronize_in_step, flat, bucket)
+            fulfil(future, self._in_step, self.synchronize, flat, bucket)
         else:
-            self._executor.submit(fulfil, future, self._synchronize_in_step, flat, bucket)
+            self._executor.submit(fulfil, future, self._in_step, self.synchronize, flat, bucket)
         return future
 
     def _queueing(self) -> Dense | None:
@@ -256,17 +259,17 @@ class GradientSync:
         """Queue the bucket's all-reduce (in place of `flat` where it has the communication
         dtype); `future` gets the average, or the error, as the thread would give it."""
         try:
-            if self._step_error is not None:
-                raise self._step_error
-            self._check_bucket(flat, bucket)
-            queued = dense.queue(flat.to(communication_dtype(flat.dtype)), bucket.key)
+            queued = self._in_step(self._queue_bucket, dense, flat, bucket)
         except BaseException as exc:
-            self._step_error = self._step_error or exc
             fail(future, exc)
             return
         self._add_stats(dense.last_stats)
         self._queued.append((queued, future))
         queued.future.add_done_callback(functools.partial(self._settle_queued, future))
+
+    def _queue_bucket(self, dense: Dense, flat: torch.Tensor, bucket: Bucket) -> QueuedOp:
+        self._check_bucket(flat, bucket)
+        return dense.queue(flat.to(communication_dtype(flat.dtype)), bucket.key)
 
     def _settle_queued(
         self, future: torch.futures.Future[torch.Tensor], done: torch.futures.Future
@@ -293,13 +296,13 @@ class GradientSync:
                     if not future.done():
                         fail(future, exc)
 
-    def _synchronize_in_step(self, flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        """synchronize(), failing at once with the step's error when an earlier bucket of the
-        step failed, and recording its own failure as the step's."""
+    def _in_step(self, run: Callable[..., T], *args: Any) -> T:
+        """run(*args) as part of the step: failing at once with the step's error when an
+        earlier bucket of the step failed, and recording its own failure as the step's."""
         if self._step_error is not None:
             raise self._step_error
         try:
-            return self.synchronize(flat, bucket)
+            return run(*args)
         except BaseException as exc:
             self._step_error = exc
             raise

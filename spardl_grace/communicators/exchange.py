@@ -223,10 +223,13 @@ class Exchange:
         with self.stats.timer("comm_s"):
             return self.transport.alltoall(messages, self.message_name(suffix))
 
-    def allreduce(self, tensor: torch.Tensor, suffix: object = None) -> torch.Tensor:
-        """The sum over ranks, counted as a ring all-reduce: 2(P-1)/P of the tensor's bytes."""
+    def _count_ring_allreduce(self, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         self.stats.add_bytes(self.current_phase, ring_allreduce_bytes(nbytes, self.size))
+
+    def allreduce(self, tensor: torch.Tensor, suffix: object = None) -> torch.Tensor:
+        """The sum over ranks, counted as a ring all-reduce: 2(P-1)/P of the tensor's bytes."""
+        self._count_ring_allreduce(tensor)
         with self.stats.timer("comm_s"):
             return self.transport.allreduce(tensor, self.message_name(suffix))
 
@@ -234,8 +237,7 @@ class Exchange:
         """allreduce() in place of `tensor`, queued in the backend where the transport can
         (Transport.allreduce_async_); all of its entries count as sent, its time does not."""
         self.stats.entries[self.current_phase] = tensor.numel()
-        nbytes = tensor.numel() * tensor.element_size()
-        self.stats.add_bytes(self.current_phase, ring_allreduce_bytes(nbytes, self.size))
+        self._count_ring_allreduce(tensor)
         return self.transport.allreduce_async_(tensor, self.message_name())
 
     def dense_average(self, tensor: torch.Tensor) -> torch.Tensor:
