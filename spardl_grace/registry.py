@@ -194,6 +194,11 @@ SPARSE_COMMUNICATORS: dict[str, Build] = {
 SPARSE_ALLREDUCES = tuple(n for n, a in ALGORITHMS.items() if a.family == "sparse")
 COMMUNICATORS = sorted([*GRACE_COMMUNICATORS, *SPARSE_COMMUNICATORS])
 
+#: the compressors that GRACE configs give a communicator without one (accepted, ignored), by
+#: family: the sparse all-reduces select by themselves, the dense one sends everything
+IGNORED_COMPRESSORS = {"sparse": ("topk",), "dense": ("none", "topk")}
+_COMPRESSOR_CLASSES = {"topk": C.TopKCompressor, "none": C.NoneCompressor}
+
 # Compressors whose compressed tensors may be summed element-wise (all-reduce compatible).
 LINEAR_COMPRESSORS = {"none", "fp16", "randomk", "powersgd"}
 SPARSE_INDEX_COMPRESSORS = {"topk", "threshold", "dgc"}
@@ -413,7 +418,7 @@ def _check_combination(p: dict[str, Any], coded: bool) -> None:
             "communicator"
         )
     if comm == "dense":
-        if comp not in ("none", "topk"):
+        if comp not in IGNORED_COMPRESSORS["dense"]:
             raise ValueError(
                 f"communicator 'dense' sends the uncompressed gradient: use compressor "
                 f"'none' (or 'topk', ignored), got {comp!r}"
@@ -424,7 +429,7 @@ def _check_combination(p: dict[str, Any], coded: bool) -> None:
             )
         return
     if comm in SPARSE_COMMUNICATORS:
-        if comp != "topk":
+        if comp not in IGNORED_COMPRESSORS["sparse"]:
             raise ValueError(
                 f"communicator {comm!r} selects entries itself (exact top-k per block): "
                 f"use compressor 'topk', got {comp!r}"
@@ -516,16 +521,19 @@ def grace_from_params(
 
 def _check_ignored_compressor(algorithm: Algorithm, compressor: Any) -> None:
     """A sparse all-reduce selects its entries itself and the dense one sends everything, so
-    neither has a compressor: the names GRACE users' configs give them ('topk'; 'none' for
-    dense), by name or as this library's compressor object, are accepted; any other compressor
-    would be silently ignored and is refused."""
-    accepted = (
-        (C.TopKCompressor, C.NoneCompressor) if algorithm.family == "dense" else C.TopKCompressor
-    )
-    if not isinstance(compressor, accepted):
+    neither has a compressor: the compressors GRACE users' configs give them
+    (IGNORED_COMPRESSORS), by name or as this library's compressor object, are accepted; any
+    other compressor would be silently ignored and is refused."""
+    names = IGNORED_COMPRESSORS[algorithm.family]
+    if not isinstance(compressor, tuple(_COMPRESSOR_CLASSES[n] for n in names)):
+        what = (
+            "sends the uncompressed gradient"
+            if algorithm.family == "dense"
+            else "selects its entries itself, while it communicates (exact top-k per block)"
+        )
         raise ValueError(
-            f"{algorithm.name} selects its entries itself, while it communicates (exact top-k "
-            f"per block), so it would ignore the compressor {type(compressor).__name__}: give "
-            "it this library's compressor 'topk', or run your compressor over 'allgather', "
+            f"{algorithm.name} {what}, so it would ignore the compressor "
+            f"{type(compressor).__name__}: give it this library's compressor "
+            f"{' or '.join(repr(n) for n in names)}, or run your compressor over 'allgather', "
             "'allreduce' or 'broadcast'"
         )

@@ -99,6 +99,15 @@ def test_sparse_allreduces_refuse_what_they_would_ignore():
     with pytest.raises(ValueError, match="ignore the compressor RandomKCompressor"):
         run_local(2, own_compressor, RandomKCompressor(0.1))
 
+    def dense_with(t, compressor):
+        return type(grace_from_params({"compressor": compressor, "communicator": "dense",
+                                       "memory": "none"}, transport=t)).__name__
+    from spardl_grace.compressors import NoneCompressor
+    assert run_local(2, dense_with, NoneCompressor()) == ["Dense", "Dense"]
+    with pytest.raises(ValueError, match="dense sends the uncompressed gradient, so it would "
+                                         "ignore the compressor RandomKCompressor.*'none' or 'topk'"):
+        run_local(2, dense_with, RandomKCompressor(0.1))
+
     def foreign_memory(t):
         SparDL(gs.PlainResidual(), t, 0.1)
     with pytest.raises(ValueError, match="store_residual.*PlainResidual lacks"):
