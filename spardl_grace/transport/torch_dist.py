@@ -67,9 +67,13 @@ class TorchDistTransport(Transport):
             for w in issue():
                 w.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            msg = str(exc)
-            kind = TransportTimeout if "imeout" in msg or "imed out" in msg else TransportError
-            raise kind(f"rank {self.rank}: '{name}' failed: {msg}") from exc
+            raise self._failure(exc, name) from exc
+
+    def _failure(self, exc: RuntimeError, name: str) -> TransportError:
+        """The backend's error as TransportTimeout (a timeout) or TransportError."""
+        msg = str(exc)
+        kind = TransportTimeout if "imeout" in msg or "imed out" in msg else TransportError
+        return kind(f"rank {self.rank}: '{name}' failed: {msg}")
 
     def _on_comm(self, t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().to(self._device)
@@ -190,7 +194,7 @@ class TorchDistTransport(Transport):
         try:
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
         except RuntimeError as exc:
-            raise TransportError(f"rank {self.rank}: '{name}' failed: {exc}") from exc
+            raise self._failure(exc, name) from exc
         future = work.get_future().then(lambda done: (done.value(), tensor)[1])
         return QueuedOp(future, lambda: self._complete(lambda: [work], name))
 
