@@ -60,7 +60,8 @@ class _FreshPool(BufferPool):
 
 @pytest.mark.parametrize("comm,extra", [("spardl", {}), ("spardl", {"teams": 3}),
                                         ("spardl", {"momentum_correction": 0.9}),
-                                        ("topka", {}), ("gtopk", {}), ("oktopk", {})])
+                                        ("topka", {}), ("topkdsa", {}), ("gtopk", {}),
+                                        ("oktopk", {})])
 def test_pooled_buffers_leave_results_and_residuals_bit_identical(comm, extra):
     def fn(t, fresh):
         grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
@@ -102,15 +103,41 @@ def test_steps_reuse_their_gradient_sized_buffers():
     assert run_local(2, fn) == [(2, 1, {}), (2, 1, {})]
 
 
-def test_other_sparse_allreduces_reuse_the_compensated_gradients_buffer():
+@pytest.mark.parametrize("comm", ["topka", "gaussiank", "topkdsa", "gtopk", "oktopk"])
+def test_every_sparse_allreduce_works_in_two_pooled_buffers(comm):
+    """As SparDL's: the memory writes the compensated gradient straight into the algorithm's
+    working buffer (no buffer of its own), the residual is that buffer, cycling through two,
+    and results reused under GradientSync stay in one buffer."""
     def fn(t):
         grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
-                                 "communicator": "topka", "compress_ratio": 0.05}, transport=t)
+                                 **scenarios.peer_params(comm, 0.05)}, transport=t)
         sync, bucket = GradientSync(grc), Bucket(("a",), (1000,))
-        for _ in range(5):
-            sync.synchronize(torch.randn(1000), bucket)
-        return [len(v) for v in grc.memory._pool._slots.values()]
-    assert run_local(2, fn) == [[1], [1]]
+        g = torch.Generator().manual_seed(t.rank)
+        residuals, results = set(), set()
+        for _ in range(6):
+            results.add(storage(sync.synchronize(torch.randn(1000, generator=g), bucket)))
+            residuals.add(storage(grc.memory.residuals["a"]))
+        return len(residuals), len(results), dict(grc.memory._pool._slots)
+    assert run_local(2, fn) == [(2, 1, {}), (2, 1, {})]
+
+
+@pytest.mark.parametrize("comm", ["spardl", "topka", "topkdsa", "gtopk", "oktopk"])
+def test_grace_steps_never_overwrite_a_result_the_caller_keeps(comm):
+    """Through GRACE's step() every result is the caller's: a result dropped before the next
+    step has its buffer reused (no page faults of a fresh gradient-sized tensor), one still
+    held keeps its values."""
+    def fn(t):
+        grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
+                                 **scenarios.peer_params(comm, 0.05)}, transport=t)
+        g = torch.Generator().manual_seed(t.rank)
+        kept = grc.step(torch.randn(5000, generator=g), "w")
+        copy = kept.clone()
+        dropped = set()
+        for _ in range(4):
+            dropped.add(storage(grc.step(torch.randn(5000, generator=g), "w")))
+        pooled = {storage(b) for b in grc.pool._slots["result.w"]}
+        return torch.equal(kept, copy), storage(kept) in dropped, len(dropped), dropped <= pooled
+    assert run_local(3, fn) == [(True, False, 1, True)] * 3
 
 
 class _UsersMemory(Memory):

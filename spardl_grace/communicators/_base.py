@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..api import Memory, SparseAllreduce
+from ..api import Memory, SparseAllreduce, communication_dtype
 from ..buffers import BufferPool, Scratch
 from ..payload import IdentityCodec, PayloadCodec
 from ..transport import Transport
@@ -20,6 +20,14 @@ class CodedAllreduce(SparseAllreduce):
     randomness and periodic work, and is part of the checkpointed state. Selection's temporaries
     live in `scratch`, reused from step to step; buffers that leave a step (residuals) come
     from `pool`.
+
+    Working buffer. An algorithm that modifies the compensated gradient as it goes (and hands
+    what is left to the memory as the residual) works on a pooled buffer of working_numel(n)
+    entries: compensation_buffer() gives the memory its first n entries to write the
+    compensated gradient into, and working_copy() returns it, zero-padded, for the step (a
+    copy only when the memory wrote elsewhere). The buffer is handed out again once the memory
+    has replaced the residual that is a view of it, so no step pays a gradient-sized
+    allocation.
 
     reduce() runs a step: it advances the step counter, creates the step's Exchange (which
     names, counts and times its messages), answers an empty tensor itself, and keeps the
@@ -40,6 +48,7 @@ class CodedAllreduce(SparseAllreduce):
         self._steps: dict[str, int] = {}
         self.scratch = Scratch()  # per-step temporaries of selection, reused
         self.pool = BufferPool()  # gradient-sized buffers handed out, reused once released
+        self._prepared: dict[str, torch.Tensor] = {}  # working buffers given to the memory
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         step = self.next_step(name)
@@ -59,13 +68,61 @@ class CodedAllreduce(SparseAllreduce):
         of `name`): (the average every rank applies, this rank's new residual), exchanged
         through `ex`."""
 
+    def working_numel(self, numel: int) -> int:
+        """Length of the working buffer for a tensor of `numel` entries (padding included)."""
+        return numel
+
+    def compensation_buffer(self, tensor: torch.Tensor, name: str) -> torch.Tensor | None:
+        n = tensor.numel()
+        if n == 0:
+            return None
+        working = self._working_buffer(
+            name, self.working_numel(n), communication_dtype(tensor.dtype), tensor.device
+        )
+        self._prepared[name] = working
+        return working[:n]
+
+    def working_copy(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """This step's working buffer for the flat compensated `tensor` of `name`: its
+        working_numel() entries start with `tensor`'s and are zero past them. It is the buffer
+        compensation_buffer() gave the memory when the memory wrote `tensor` there (no copy),
+        else a pooled one `tensor` is copied into; never `tensor` itself otherwise, so the
+        caller's gradient is not modified."""
+        n = tensor.numel()
+        numel = self.working_numel(n)
+        working = self._prepared.pop(name, None)
+        if (
+            working is None
+            or working.numel() != numel
+            or working.dtype != tensor.dtype
+            or working.device != tensor.device
+        ):
+            working = self._working_buffer(name, numel, tensor.dtype, tensor.device)
+        if working.data_ptr() != tensor.data_ptr():  # the memory did not write it in place
+            working[:n] = tensor
+        working[n:] = 0
+        return working
+
+    def _working_buffer(
+        self, name: str, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        # Handed to the memory as the residual, so from the pool: the previous step's residual
+        # is still held (the memory replaces it after this step), the one before is free again.
+        return self.pool.take(f"working.{name}", numel, dtype, device, slots=2)
+
     def zeros_for_result(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """Zeros shaped like the flat `like`, for this step's result of `name`: a new tensor, or,
-        with `reuse_results`, the buffer of the previous step's result of `name`, zeroed again
-        (cheaper than a fresh gradient-sized allocation, whose first touch costs page faults)."""
-        if not self.reuse_results:
-            return torch.zeros_like(like)
-        return self.scratch.get(f"result.{name}", like.numel(), like.dtype, like.device).zero_()
+        """Zeros shaped like the flat `like`, for this step's result of `name`, zeroed again in
+        a buffer that was used before (cheaper than a fresh gradient-sized allocation, whose
+        first touch costs page faults): with `reuse_results`, the previous step's result of
+        `name`; otherwise a pooled buffer that nothing outside the pool holds any more, so a
+        result the caller keeps is never overwritten."""
+        if self.reuse_results:
+            buffer = self.scratch.get(f"result.{name}", like.numel(), like.dtype, like.device)
+        else:
+            buffer = self.pool.take(
+                f"result.{name}", like.numel(), like.dtype, like.device, slots=2
+            )
+        return buffer.zero_()
 
     def next_step(self, name: str) -> int:
         """This call's step number for `name` (0 first), advancing the counter."""

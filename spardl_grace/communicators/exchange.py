@@ -271,24 +271,25 @@ class Exchange:
 
     def reduce_scatter(
         self, tensor: torch.Tensor, chosen: torch.Tensor, offsets: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
         """Sparse reduce-scatter over P regions (region j = tensor[offsets[j]:offsets[j+1]]
         belongs to rank j): one all-to-all sends our `chosen` entries (sorted positions) of
         region j, coded with region-relative indices, to rank j. Returns (sent, reduced,
-        member): what the owners decode from us, as a dense vector like `tensor`; the sum, in
-        rank order, of what every rank sent for our region; and which positions of our region
-        received anything."""
+        member): what the owners decode from us, as (distinct positions in `tensor`, values);
+        the sum, in rank order, of what every rank sent for our region; and which positions of
+        our region received anything."""
         me, phase = self.rank, self.current_phase
         bounds = torch.searchsorted(chosen, torch.tensor(offsets, device=chosen.device))
-        sent = torch.zeros_like(tensor)
-        messages = []
+        positions, values, messages = [], [], []
         for j, part in enumerate(torch.split(chosen, torch.diff(bounds).tolist())):
             block = tensor[offsets[j] : offsets[j + 1]]
             enc = self.encode(block, part - offsets[j], f"{phase}.{me}.{j}")
-            sent[offsets[j] + enc.indices] = enc.values
+            positions.append(offsets[j] + enc.indices)
+            values.append(enc.values)
             messages.append(enc.data)
             if j != me:
                 self.stats.entries[phase] += enc.indices.numel()
+        sent = (torch.cat(positions), torch.cat(values))
         received = self.alltoall(messages)
         length = offsets[me + 1] - offsets[me]
         reduced = torch.zeros(length, dtype=tensor.dtype, device=tensor.device)

@@ -113,7 +113,7 @@ class GTopk(CodedAllreduce):
 
         result = self.zeros_for_result(name, tensor)
         result[final_idx] = final_vals / ex.size
-        residual = tensor.clone()
+        residual = self.working_copy(tensor, name)
         if self.residual_rule == "exact":
             residual[final_idx] -= credit
         else:

@@ -208,14 +208,18 @@ class OkTopk(CodedAllreduce):
             pieces = ex.allgather(enc.data)
 
         result = self.zeros_for_result(name, tensor)
-        delivered = torch.zeros(n, dtype=torch.bool, device=tensor.device)
+        delivered = self.scratch.get("delivered", n, torch.bool, tensor.device).zero_()
         for j, data in enumerate(pieces):
             idx, vals = ex.decode(data, offsets[j + 1] - offsets[j], tensor, f"gather.{j}")
             result[offsets[j] + idx] = vals
             delivered[offsets[j] + idx] = True
         # Senders are credited with what they sent to delivered indices; the owner keeps the
         # difference a lossy codec made to what it delivered.
-        residual = tensor - torch.where(delivered, sent, torch.zeros_like(sent))
+        positions, values = sent
+        credited = delivered[positions]
+        positions = positions[credited]
+        residual = self.working_copy(tensor, name)
+        residual[positions] = residual[positions] - values[credited]
         residual[lo:hi] += torch.where(
             delivered[lo:hi], reduced - result[lo:hi], torch.zeros_like(reduced)
         )

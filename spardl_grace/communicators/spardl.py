@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..api import Memory, communication_dtype
+from ..api import Memory
 from ..payload import PayloadCodec
 from ..selection import topk_abs
 from ..transport import Transport
@@ -78,7 +78,6 @@ class SparDL(CodedAllreduce):
         self.team_size = transport.size // teams
         self.team, self.q = divmod(transport.rank, self.team_size)
         self._h: dict[str, int] = {}
-        self._prepared: dict[str, torch.Tensor] = {}  # working buffers given to the memory
 
     def block_layout(self, numel: int) -> tuple[int, int]:
         """(B, k_b): block length and per-block budget for a tensor of `numel` entries."""
@@ -92,26 +91,8 @@ class SparDL(CodedAllreduce):
             return block
         return self._h.get(name, math.ceil(kb / self.teams))
 
-    def compensation_buffer(self, tensor: torch.Tensor, name: str) -> torch.Tensor | None:
-        """The first numel entries of this step's working buffer D: the memory writes the
-        compensated gradient A there, and reduce() works on it in place."""
-        n = tensor.numel()
-        if n == 0:
-            return None
-        block, _ = self.block_layout(n)
-        working = self._working_buffer(
-            name, self.team_size * block, communication_dtype(tensor.dtype), tensor.device
-        )
-        self._prepared[name] = working
-        return working[:n]
-
-    def _working_buffer(
-        self, name: str, numel: int, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        # D is handed to the memory as the residual, so it comes from the pool: the previous
-        # step's residual is still held (the memory replaces it after this step), the one
-        # before is free again.
-        return self.pool.take(f"working.{name}", numel, dtype, device, slots=2)
+    def working_numel(self, numel: int) -> int:
+        return self.team_size * self.block_layout(numel)[0]
 
     def sparse_allreduce(
         self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
@@ -119,17 +100,7 @@ class SparDL(CodedAllreduce):
         n = tensor.numel()
         block, kb = self.block_layout(n)
         m = self.team_size
-        working = self._prepared.pop(name, None)
-        if (
-            working is None
-            or working.numel() != m * block
-            or working.dtype != tensor.dtype
-            or working.device != tensor.device
-        ):
-            working = self._working_buffer(name, m * block, tensor.dtype, tensor.device)
-        if working.data_ptr() != tensor.data_ptr():  # the memory did not write A in place
-            working[:n] = tensor
-        working[n:] = 0
+        working = self.working_copy(tensor, name)  # D, starting as A
         blocks = working.view(m, block)
         team_ranks = [self.team * m + j for j in range(m)]
         undo: Undo = []  # every write into D, with what it overwrote

@@ -40,7 +40,7 @@ class TopkA(CodedAllreduce):
         self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = tensor.numel()
-        residual = tensor.clone()
+        residual = self.working_copy(tensor, name)  # A, less what the others decode from us
         with ex.selecting():
             chosen = self.select(tensor, count_for_ratio(n, self.density))
         with ex.phase("gather"):

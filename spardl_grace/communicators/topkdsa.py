@@ -34,13 +34,15 @@ class TopkDSA(CodedAllreduce):
 
     PHASES = ("reduce", "gather")
 
+    def working_numel(self, numel: int) -> int:
+        return self.transport.size * math.ceil(numel / self.transport.size)
+
     def sparse_allreduce(
         self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, size, me = tensor.numel(), ex.size, ex.rank
         region = math.ceil(n / size)
-        padded = torch.zeros(size * region, dtype=tensor.dtype, device=tensor.device)
-        padded[:n] = tensor
+        padded = self.working_copy(tensor, name)
         with ex.selecting():
             chosen = torch.sort(
                 topk_abs(tensor, count_for_ratio(n, self.density), self.scratch)
@@ -49,7 +51,9 @@ class TopkDSA(CodedAllreduce):
             sent, reduced, member = ex.reduce_scatter(
                 padded, chosen, [j * region for j in range(size + 1)]
             )
-        residual = padded - sent
+        positions, values = sent
+        residual = padded  # A, less what the owners decode from us
+        residual[positions] = padded[positions] - values
         with ex.phase("gather"):
             own = self._encode_region(ex, reduced, member, residual, me * region)
             pieces = ex.allgather(own)
