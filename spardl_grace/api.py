@@ -35,6 +35,15 @@ from .agreement import agree, digest, settings_of
 from .transport import Transport
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """torch.isfinite(tensor).all(), in one pass and without a tensor-sized mask: the minimum
+    and the maximum are both finite exactly when every entry is (NaN propagates to both)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 class Compressor(ABC):
     """Turns a tensor into a list of tensors to send (plus a local context) and back.
 
@@ -318,6 +327,12 @@ class Synchronizer(ABC):
         if self._agreed.get(name) != key:
             agree(self.transport, f"'{name}'", fields)
             self._agreed[name] = key
+
+    def result_is_finite(self, result: torch.Tensor, name: str) -> bool:
+        """Whether every entry of `result`, this synchronizer's latest result for `name`, is
+        finite: one pass over it here; a sparse all-reduce that knows where its result is
+        non-zero looks there only."""
+        return all_finite(result)
 
     def step(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Return the synchronised (averaged unless the compressor says otherwise) tensor,

@@ -91,7 +91,7 @@ class IdentityCodec(PayloadCodec):
     name = "identity"
 
     def encode_bytes(self, block, indices, key):
-        return self._pack(block[indices], indices, block.numel())
+        return self._pack(block.index_select(0, indices), indices, block.numel())
 
     def fixed_size(self, count, dtype):
         return count * (torch.empty((), dtype=dtype).element_size() + 4)
@@ -122,7 +122,8 @@ class IdentityCodec(PayloadCodec):
         return indices, values
 
     def encode(self, block, indices, key):
-        return Encoded(self.encode_bytes(block, indices, key), indices, block[indices])
+        values = block.index_select(0, indices)
+        return Encoded(self._pack(values, indices, block.numel()), indices, values)
 
     def encode_sparse(self, indices, values, size, key):
         return Encoded(self._pack(values, indices, size), indices, values)

@@ -65,15 +65,6 @@ class Bucket:
         return f"bucket[{self.names[0]}+{len(self.names) - 1}]{digest}"
 
 
-def all_finite(tensor: torch.Tensor) -> bool:
-    """torch.isfinite(tensor).all(), in one pass and without a tensor-sized mask: the minimum
-    and the maximum are both finite exactly when every entry is (NaN propagates to both)."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
-
-
 def _back_to_back(parts: list[torch.Tensor | None], numels: tuple[int, ...]) -> torch.Tensor | None:
     """One flat view over `parts` if they already lie back to back in one storage (as the
     previous step's split of a bucket leaves them), so the bucket's entries need no copy;
@@ -327,7 +318,7 @@ class GradientSync:
             with per_parameter_stores(self.grace.memory, bucket) as outcome:
                 result = self.grace.step(flat, bucket.key)
                 # The result is identical on every rank, so all ranks decide alike, unasked.
-                outcome.keep = all_finite(result)
+                outcome.keep = self.grace.result_is_finite(result, bucket.key)
             self._add_stats(self.grace.last_stats)
             return result
 

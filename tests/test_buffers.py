@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import scenarios
 from spardl_grace import DistributedOptimizer, Memory, grace_from_params, run_local
+from spardl_grace.api import all_finite
 from spardl_grace.buffers import BufferPool
 from spardl_grace.selection import sparse_nonzero
 from spardl_grace.memories.none import NoneMemory
@@ -138,6 +139,34 @@ def test_grace_steps_never_overwrite_a_result_the_caller_keeps(comm):
         pooled = {storage(b) for b in grc.pool._slots["result.w"]}
         return torch.equal(kept, copy), storage(kept) in dropped, len(dropped), dropped <= pooled
     assert run_local(3, fn) == [(True, False, 1, True)] * 3
+
+
+@pytest.mark.parametrize("comm", ["spardl", "topka", "gtopk", "oktopk", "topkdsa"])
+def test_lent_results_are_zeroed_where_written_and_checked_there(comm):
+    """With reuse_results, a sparse all-reduce zeroes again only where its last result was
+    written; the results are those of fresh zeros (compared with reuse off), and
+    result_is_finite() agrees with a full check, also when a rank's gradient holds an inf or
+    a NaN."""
+    def fn(t, reuse):
+        grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
+                                 **scenarios.peer_params(comm, 0.05)}, transport=t)
+        grc.reuse_results = reuse
+        g = torch.Generator().manual_seed(t.rank)
+        out = []
+        for step in range(6):
+            grad = torch.randn(20_000, generator=g)
+            if t.rank == 1 and step in (2, 4):
+                grad[7 * step] = float("inf") if step == 2 else float("nan")
+            result = grc.step(grad, "w")
+            out.append((result.clone(), grc.result_is_finite(result, "w"), all_finite(result)))
+            grc.memory.residuals["w"].nan_to_num_(0.0, 0.0, 0.0)  # go on after the bad steps
+        return out
+    lent, fresh = run_local(3, fn, True), run_local(3, fn, False)
+    for r in range(3):
+        for (a, finite, full), (b, _, _) in zip(lent[r], fresh[r]):
+            assert torch.equal(a.nan_to_num(0.0, 1.0, -1.0), b.nan_to_num(0.0, 1.0, -1.0))
+            assert finite == full
+    assert [full for _, _, full in lent[0]][:4] == [True, True, False, True]  # the inf counts
 
 
 class _UsersMemory(Memory):

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spardl_grace.fusion import assign_grads, flatten_grads
-from spardl_grace.sync import all_finite
+from spardl_grace.api import all_finite
 
 
 @settings(max_examples=60, deadline=None)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..api import Memory, SparseAllreduce, communication_dtype
+from ..api import Memory, SparseAllreduce, all_finite, communication_dtype
 from ..buffers import BufferPool, Scratch
 from ..payload import IdentityCodec, PayloadCodec
 from ..transport import Transport
@@ -49,6 +49,8 @@ class CodedAllreduce(SparseAllreduce):
         self.scratch = Scratch()  # per-step temporaries of selection, reused
         self.pool = BufferPool()  # gradient-sized buffers handed out, reused once released
         self._prepared: dict[str, torch.Tensor] = {}  # working buffers given to the memory
+        # Per name, where the latest result may be non-zero: (its buffer's address, positions).
+        self._support: dict[str, tuple[int, torch.Tensor]] = {}
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         step = self.next_step(name)
@@ -114,15 +116,32 @@ class CodedAllreduce(SparseAllreduce):
         """Zeros shaped like the flat `like`, for this step's result of `name`, zeroed again in
         a buffer that was used before (cheaper than a fresh gradient-sized allocation, whose
         first touch costs page faults): with `reuse_results`, the previous step's result of
-        `name`; otherwise a pooled buffer that nothing outside the pool holds any more, so a
-        result the caller keeps is never overwritten."""
-        if self.reuse_results:
-            buffer = self.scratch.get(f"result.{name}", like.numel(), like.dtype, like.device)
-        else:
+        `name`, where only the positions record_support() named are zeroed again if it was
+        called (callers do not write into results they are lent); otherwise a pooled buffer
+        that nothing outside the pool holds any more, so a result the caller keeps is never
+        overwritten."""
+        support = self._support.pop(name, None)
+        if not self.reuse_results:
             buffer = self.pool.take(
                 f"result.{name}", like.numel(), like.dtype, like.device, slots=2
             )
+            return buffer.zero_()
+        buffer = self.scratch.get(f"result.{name}", like.numel(), like.dtype, like.device)
+        if support is not None and support[0] == buffer.data_ptr():
+            return buffer.index_fill_(0, support[1], 0)
         return buffer.zero_()
+
+    def record_support(self, name: str, result: torch.Tensor, positions: torch.Tensor) -> None:
+        """Note that this step's `result` of `name` (from zeros_for_result) is zero outside
+        `positions`: the next step zeroes only those again, and result_is_finite() looks only
+        there."""
+        self._support[name] = (result.data_ptr(), positions)
+
+    def result_is_finite(self, result: torch.Tensor, name: str) -> bool:
+        support = self._support.get(name)
+        if support is None or support[0] != result.data_ptr():
+            return all_finite(result)
+        return all_finite(result.reshape(-1).index_select(0, support[1]))
 
     def next_step(self, name: str) -> int:
         """This call's step number for `name` (0 first), advancing the counter."""

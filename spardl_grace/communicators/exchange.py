@@ -164,8 +164,8 @@ class Exchange:
         logged first."""
         enc = self.encode(source, chosen, tag)
         if undo is not None:
-            undo.append((source, enc.indices, source[enc.indices]))
-        source[enc.indices] -= enc.values
+            undo.append((source, enc.indices, source.index_select(0, enc.indices)))
+        source.index_add_(0, enc.indices, enc.values, alpha=-1)  # exactly source - values
         self.stats.entries[self.current_phase] += enc.indices.numel()
         return enc
 
@@ -206,8 +206,8 @@ class Exchange:
         got = self.sendrecv(enc.data, dst, src, suffix, expected)
         idx, vals = self.decode(got, target.numel(), target, tags[1])
         if undo is not None:
-            undo.append((target, idx, target[idx]))
-        target[idx] += vals
+            undo.append((target, idx, target.index_select(0, idx)))
+        target.index_add_(0, idx, vals)
 
     def allgather(self, data: torch.Tensor, suffix: object = None) -> list[torch.Tensor]:
         """Every rank's uint8 `data`, in rank order; counted as sent to each of the P-1 others."""

@@ -112,7 +112,8 @@ class GTopk(CodedAllreduce):
             final_idx, final_vals, credit = self._deliver(ex, final, own_idx, own_vals, n)
 
         result = self.zeros_for_result(name, tensor)
-        result[final_idx] = final_vals / ex.size
+        result.index_copy_(0, final_idx, final_vals / ex.size)
+        self.record_support(name, result, final_idx)
         residual = self.working_copy(tensor, name)
         if self.residual_rule == "exact":
             residual[final_idx] -= credit

@@ -209,10 +209,13 @@ class OkTopk(CodedAllreduce):
 
         result = self.zeros_for_result(name, tensor)
         delivered = self.scratch.get("delivered", n, torch.bool, tensor.device).zero_()
+        support = []
         for j, data in enumerate(pieces):
             idx, vals = ex.decode(data, offsets[j + 1] - offsets[j], tensor, f"gather.{j}")
-            result[offsets[j] + idx] = vals
-            delivered[offsets[j] + idx] = True
+            support.append(offsets[j] + idx)
+            result.index_copy_(0, support[-1], vals)
+            delivered.index_fill_(0, support[-1], True)
+        self.record_support(name, result, torch.cat(support))
         # Senders are credited with what they sent to delivered indices; the owner keeps the
         # difference a lossy codec made to what it delivered.
         positions, values = sent

@@ -118,9 +118,13 @@ class SparDL(CodedAllreduce):
         selected = []
         for j, data in enumerate(pieces):
             idx, vals = ex.decode(data, block, tensor, f"final.{j}")
-            result[j * block + idx] = vals / ex.size  # zeros need no division
-            selected.append(j * block + idx)
-        residual = self._residual(working, n, torch.cat(selected), undo)
+            positions = j * block + idx
+            result.index_copy_(0, positions, vals / ex.size)  # zeros need no division
+            selected.append(positions)
+        support = torch.cat(selected)
+        # What lands in the padding is never returned, so it need not be zeroed again.
+        self.record_support(name, result, support[support < n])
+        residual = self._residual(working, n, support, undo)
         return result[:n], residual
 
     @staticmethod
@@ -131,10 +135,10 @@ class SparDL(CodedAllreduce):
         compensated gradient A elsewhere. D differs from A only where this step wrote into it,
         and each write logged what it overwrote: undoing the writes in reverse order gives A
         back exactly, with no pass over the gradient."""
-        kept = working[selected]
+        kept = working.index_select(0, selected)
         for target, positions, values in reversed(undo):
-            target[positions] = values
-        working[selected] = kept
+            target.index_copy_(0, positions, values)
+        working.index_copy_(0, selected, kept)
         return working[:n]
 
     def _spar_reduce_scatter(

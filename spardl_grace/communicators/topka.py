@@ -47,10 +47,16 @@ class TopkA(CodedAllreduce):
             mine = ex.take(residual, chosen, str(ex.rank))
             pieces = ex.allgather(mine.data)
         result = self.zeros_for_result(name, tensor)
+        support = []
         for rank, data in enumerate(pieces):
             idx, vals = ex.decode(data, n, tensor, str(rank))
             result.index_add_(0, idx, vals)
-        result /= ex.size
+            support.append(idx)
+        # Zeros need no division; a position sent by several ranks is written several times
+        # with the same quotient.
+        positions = torch.cat(support)
+        result.index_copy_(0, positions, result.index_select(0, positions) / ex.size)
+        self.record_support(name, result, positions)
         return result, residual
 
 
