@@ -69,7 +69,8 @@ def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torc
     a prime (sample_stride) so that about 1.5 k entries have |x| >= t (|x| > 0 when the sample
     says t = 0), and torch.topk runs over those candidates only. Whenever at least k entries
     pass, the candidates hold every entry of the top k, so the result is the exact top-k (ties
-    at the k-th magnitude may be broken differently); otherwise the full torch.topk runs. On
+    at the k-th magnitude may be broken differently); otherwise the full torch.topk runs. A NaN
+    ranks above every magnitude, as in torch.topk, with or without the prefilter. On
     a CPU this is several times faster than torch.topk over all entries (benchmarks.comm
     measures it). With `scratch`, the magnitudes and the candidate mask are written into its
     buffers instead of new tensors (same result)."""
@@ -85,14 +86,16 @@ def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torc
         rank = min(sample.numel(), math.ceil(sample.numel() * PREFILTER_MARGIN * k / n) + 8)
         threshold = torch.topk(sample, rank, sorted=False).values.min()
         # Where the sample's threshold is 0, the zeros cannot be among the top k unless fewer
-        # than k entries are non-zero (then the full top-k below runs).
-        compare = torch.gt if bool(threshold == 0) else torch.ge
+        # than k entries are non-zero (then the full top-k below runs). The candidates are the
+        # entries not below the threshold: a NaN, which no comparison passes, stays one, as
+        # torch.topk ranks it first (a NaN gradient must reach the result, where the caller's
+        # finiteness check sees it, instead of hiding in a residual).
+        below = torch.le if bool(threshold == 0) else torch.lt
         if scratch is None:
-            mask = compare(magnitudes, threshold)
+            mask = below(magnitudes, threshold)
         else:
-            mask = compare(
-                magnitudes, threshold, out=scratch.get("mask", n, torch.bool, flat.device)
-            )
+            mask = below(magnitudes, threshold, out=scratch.get("mask", n, torch.bool, flat.device))
+        torch.logical_not(mask, out=mask)
         if PREFILTER_MARGIN * k <= WORDWISE_MAX_FRACTION * n:
             candidates = sparse_nonzero(mask)
         else:

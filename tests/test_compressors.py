@@ -71,6 +71,17 @@ def test_dgc_selects_close_to_target():
     assert x[kept].abs().min() >= x[~kept].abs().max()
 
 
+def test_dgc_selects_a_nan_it_did_not_sample():
+    """A NaN fails every comparison; DGC keeps the entries not below its threshold, so an
+    unsampled NaN is still sent (the step's finiteness check then sees it) instead of staying
+    in the residual for good."""
+    x = randn(100_000)
+    x[12_345] = float("nan")
+    tensors, y = roundtrip(C.DgcCompressor(0.01), x)
+    assert bool(torch.isnan(y[12_345]))
+    assert 0.7 * 1000 <= tensors[0].numel() <= 1.3 * 1000
+
+
 def test_qsgd_levels_and_unbiasedness():
     x = randn(50)
     comp = C.QSGDCompressor(15)

@@ -223,7 +223,7 @@ def test_half_precision_gradients_keep_float32_residuals(dtype):
         assert_loss_falls(losses)
 
 
-@pytest.mark.parametrize("algorithm", ["spardl", "topka", "gtopk"])
+@pytest.mark.parametrize("algorithm", ["spardl", "topka", "gtopk", "oktopk"])
 def test_grad_scaler_overflow_skips_the_step_and_keeps_the_residuals(algorithm):
     """Horovod's AMP recipe: synchronize, unscale_, clip, step inside skip_synchronize. At
     step 2 rank 1's loss overflows: every rank gets a non-finite average, the scaler skips

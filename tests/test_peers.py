@@ -39,6 +39,32 @@ def test_density_one_is_exactly_the_dense_average(comm, size):
     check_exact_dense_average(per_rank, size)
 
 
+@pytest.mark.parametrize("comm", [*SPARSE_PEERS, "spardl"])
+def test_a_nan_gradient_reaches_every_ranks_result(comm):
+    """A NaN with no inf beside it on one rank, which no threshold comparison passes, is
+    selected as torch.topk ranks it (first), through the prefilter of a large tensor and
+    through Ok-Topk's reused thresholds alike: every rank's result is non-finite and
+    result_is_finite says so, so a GradScaler skips the step instead of the NaN hiding in a
+    residual for good."""
+    n = 1 << 17
+
+    def fn(t):
+        params = {"compressor": "topk", "memory": "global_residual",
+                  **scenarios.peer_params(comm, 0.01)}
+        grc = grace_from_params(params, transport=t)
+        g = torch.Generator().manual_seed(t.rank)
+        finite = []
+        for step in range(4):
+            grad = torch.randn(n, generator=g)
+            if step == 2 and t.rank == 1:
+                grad[12345] = float("nan")
+            result = grc.step(grad, "w")
+            finite.append((bool(torch.isfinite(result).all()), grc.result_is_finite(result, "w")))
+        return finite
+    for finite in run_local(3, fn):
+        assert finite == [(True, True), (True, True), (False, False), (False, False)]
+
+
 # ------------------------------------------------------------------- bytes vs cost formulas
 @pytest.mark.parametrize("size", [2, 3, 4, 7])
 def test_dense_bytes_are_the_ring_allreduce_volume(size):

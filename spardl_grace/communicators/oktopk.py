@@ -37,6 +37,7 @@ Indices always travel as int32, never packed into floats.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -97,12 +98,22 @@ def check_params(
 
 
 def _kth_magnitude(tensor: torch.Tensor, k: int) -> float:
-    return float(tensor[topk_abs(tensor, k)].abs().min())
+    """The k-th largest |value|, NaNs ranked first (as topk_abs ranks them) but never the
+    threshold itself: a NaN threshold would pass every entry."""
+    top = tensor.index_select(0, topk_abs(tensor, k)).abs()
+    return float(torch.nan_to_num(top, nan=math.inf, posinf=math.inf).min())
+
+
+def _not_below(magnitudes: torch.Tensor, theta: float) -> torch.Tensor:
+    """|value| >= theta, and NaN: a NaN gradient is selected, so the result carries it to the
+    caller's finiteness check (a GradScaler skips the step) instead of the residual keeping
+    it for good."""
+    return torch.logical_not(magnitudes < theta)
 
 
 def _at_least(tensor: torch.Tensor, theta: float) -> torch.Tensor:
-    """Sorted positions of the non-zero entries with |value| >= theta."""
-    return torch.nonzero((tensor.abs() >= theta) & (tensor != 0)).reshape(-1)
+    """Sorted positions of the non-zero entries with |value| >= theta or NaN."""
+    return torch.nonzero(_not_below(tensor.abs(), theta) & (tensor != 0)).reshape(-1)
 
 
 def _nudge(theta: float, count: int, k: int, band: tuple[float, float], scale: float) -> float:
@@ -195,13 +206,13 @@ class OkTopk(CodedAllreduce):
                 recomputed = True
             else:
                 global_theta = self._theta_global[name]
-                mine = (magnitudes >= global_theta).sum().to(torch.int64).reshape(1).cpu()
+                mine = _not_below(magnitudes, global_theta).sum().to(torch.int64).reshape(1).cpu()
                 count = int(ex.allreduce(mine, "count")[0])
                 if not GUARD_BAND[0] * k <= count <= GUARD_BAND[1] * k:
                     global_theta = self._recompute_global(ex, name, reduced[candidates], k)
                     recomputed = True
         with ex.selecting():
-            selected = candidates[magnitudes >= global_theta]
+            selected = candidates[_not_below(magnitudes, global_theta)]
         with ex.phase("gather"):
             enc = ex.encode(reduced, selected, f"gather.{me}")
             ex.stats.entries["gather"] = enc.indices.numel()
