@@ -10,7 +10,8 @@ does not depend on the network).
 processes). Writes OUT/NAME-seedS/ (each run's logs), OUT/results.json and OUT/summary.md: per config, the
 mean and spread (min..max) over seeds of the final test accuracy, the final training loss, the
 bytes per step over the whole run, against dense's. (After a warm-up, SparDL's bytes per step are
-those of the same density without one: its messages have fixed sizes.)
+those of the same density without one: its messages have fixed sizes.) Run again, the same
+command skips the finished runs and continues a run cut off after an epoch from its checkpoint.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ TECHNIQUES = {
     "warmup": ["--density-warmup", "0.25", "--density-warmup-start", "0.25"],  # DGC's
     "warmup1": ["--density-warmup", "1", "--density-warmup-start", "0.25"],
     "warmup16": ["--density-warmup", "0.25", "--density-warmup-start", "0.0625"],
+    "warmup2ep": ["--density-warmup", "2", "--density-warmup-start", "0.25"],  # DGC's stages, longer
     "lrwarmup": ["--warmup-epochs", "0.25"],
     "mc": ["--momentum-correction", "0.9"],
     "clip": ["--local-clip-norm", "5"],
@@ -96,26 +98,44 @@ def run(args: argparse.Namespace, config: str, seed: int) -> dict:
         return json.loads(run_record.read_text())
     print(f"{config} seed {seed} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
+    # A run cut off after an epoch's checkpoint continues from it instead of starting over.
+    resume = ["--resume"] if (out / "ckpt-rank0.pt").exists() else []
     cmd = [sys.executable, "-m", "experiments.main_trainer", "--dnn", args.dnn,
            "--dataset", args.dataset, "--nworkers", str(args.workers),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr),
            "--density", str(args.density), "--max-epochs", str(args.max_epochs),
            "--train-samples", str(args.train_samples), "--test-samples", str(args.test_samples),
-           "--seed", str(seed), "--out", str(out), *config_options(config), *args.extra.split()]
+           "--seed", str(seed), "--out", str(out), *config_options(config), *args.extra.split(),
+           *resume]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    with open(out / "output.log", "w") as log:
+    with open(out / "output.log", "a" if resume else "w") as log:
         done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
         raise SystemExit(f"{config} seed {seed} failed; see {out / 'output.log'}")
     log = read_log(out)
-    final = log["run"][0]
+    final = log["run"][-1]
+    bytes_run, train_s, steps = whole_run(log)
     result = {"config": config, "seed": seed, "test_accuracy": final["test_accuracy"],
-              "train_loss": final["train_loss"],
-              "bytes_run": final["bytes_sent_per_step_run"], "dense_bytes": final["dense_bytes_per_step"],
-              "train_s": final["train_s"], "steps": final["steps_run"]}
+              "train_loss": final["train_loss"], "bytes_run": bytes_run,
+              "dense_bytes": final["dense_bytes_per_step"], "train_s": train_s, "steps": steps}
     run_record.write_text(json.dumps(result))
     return result
+
+
+def whole_run(log: dict[str, list[dict]]) -> tuple[float, float, int]:
+    """(bytes per step, training seconds, steps) over every epoch of a run, resumed or not. A
+    resumed trainer's own run summary covers only its process (its clock and byte count start
+    again), and steps cut off by the interruption are trained again, so the last record of
+    each epoch and of each step is the one that counts: bytes from the epochs' records
+    weighted by their steps, seconds as the sum of the steps' own times."""
+    epochs = {e["epoch"]: e for e in log["epoch"]}
+    sent, previous = 0.0, 0
+    for epoch in sorted(epochs):
+        sent += epochs[epoch]["bytes_sent_per_step"] * (epochs[epoch]["step"] - previous)
+        previous = epochs[epoch]["step"]
+    step_s = {s["step"]: s["step_s"] for s in log["step"] if s["step"] < previous}
+    return sent / max(previous, 1), sum(step_s.values()), previous
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -618,6 +618,30 @@ def test_ablation_runs_in_parallel_give_what_sequential_runs_give(tmp_path):
     assert together[1]["bytes_run"]["mean"] < together[0]["bytes_run"]["mean"]
 
 
+def test_an_ablation_run_cut_off_resumes_and_reports_the_whole_run(tmp_path):
+    """A run with an epoch's checkpoint and no result continues from it (--resume): it ends
+    where an uninterrupted run ends, and its bytes per step and steps are the whole run's
+    (the density warm-up's first epoch sends more than the second), not the resumed part's."""
+    from experiments import ablation
+    common = ["--dnn", "fashioncnn", "--configs", "spardl+warmup1", "--seeds", "0",
+              "--workers", "2", "--train-samples", "512", "--test-samples", "200",
+              "--extra", "--max-steps 3 --device cpu"]
+    whole = ablation.main([*common, "--max-epochs", "2", "--out", str(tmp_path / "whole")])
+    ablation.main([*common, "--max-epochs", "1", "--out", str(tmp_path / "cut")])
+    (tmp_path / "cut" / "spardl+warmup1-seed0" / "run.json").unlink()
+    resumed = ablation.main([*common, "--max-epochs", "2", "--out", str(tmp_path / "cut")])
+    for key in ("test_accuracy", "train_loss"):
+        assert resumed[0][key] == whole[0][key]
+    # The resumed process agrees on every gradient's settings once more (a few bytes).
+    assert resumed[0]["bytes_run"]["mean"] == pytest.approx(whole[0]["bytes_run"]["mean"], rel=1e-3)
+    runs = [json.loads((tmp_path / d / "spardl+warmup1-seed0" / "run.json").read_text())
+            for d in ("whole", "cut")]
+    assert runs[0]["steps"] == runs[1]["steps"] == 6
+    log = main_trainer.read_log(tmp_path / "cut" / "spardl+warmup1-seed0")
+    assert [s["step"] for s in log["step"]] == list(range(6)), "epoch 0 must not run again"
+    assert log["epoch"][0]["bytes_sent_per_step"] > log["epoch"][1]["bytes_sent_per_step"]
+
+
 def test_sample_limits_keep_the_class_mix_of_a_set_stored_by_class():
     """The tweets are stored by class: their first 2,000 test tweets are all negative, so a
     prefix would measure how often a model says 'negative'. Evenly spaced subsets keep the mix."""
