@@ -51,6 +51,14 @@ def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
+def not_below(magnitudes: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    """magnitudes >= threshold, with a NaN counted as not below any threshold. A NaN fails
+    every comparison, so `>=` would drop it: the selections keep it instead (as torch.topk
+    ranks it first), so that a NaN gradient reaches the result, where the caller's finiteness
+    check sees it (a GradScaler skips the step), rather than hiding in a residual for good."""
+    return torch.logical_not(magnitudes < threshold)
+
+
 def sample_stride(approx: int) -> int:
     """The smallest prime >= approx (and >= 2): the prefilter's sample stride. Gradients have
     periodic zeros (the 8 border taps of a 3x3 kernel that only ever sees 1x1 inputs, dead
@@ -87,9 +95,8 @@ def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torc
         threshold = torch.topk(sample, rank, sorted=False).values.min()
         # Where the sample's threshold is 0, the zeros cannot be among the top k unless fewer
         # than k entries are non-zero (then the full top-k below runs). The candidates are the
-        # entries not below the threshold: a NaN, which no comparison passes, stays one, as
-        # torch.topk ranks it first (a NaN gradient must reach the result, where the caller's
-        # finiteness check sees it, instead of hiding in a residual).
+        # entries not below the threshold, a NaN among them (see not_below; written into the
+        # scratch mask here, hence the comparison and its negation in place).
         below = torch.le if bool(threshold == 0) else torch.lt
         if scratch is None:
             mask = below(magnitudes, threshold)

@@ -45,7 +45,7 @@ import torch
 from ..api import Memory
 from ..params import int_at_least, number_above, ranged
 from ..payload import PayloadCodec
-from ..selection import count_for_ratio, topk_abs
+from ..selection import count_for_ratio, not_below, topk_abs
 from ..transport import Transport
 from ._base import CodedAllreduce
 from .collectives import global_kth_magnitude
@@ -104,16 +104,9 @@ def _kth_magnitude(tensor: torch.Tensor, k: int) -> float:
     return float(torch.nan_to_num(top, nan=math.inf, posinf=math.inf).min())
 
 
-def _not_below(magnitudes: torch.Tensor, theta: float) -> torch.Tensor:
-    """|value| >= theta, and NaN: a NaN gradient is selected, so the result carries it to the
-    caller's finiteness check (a GradScaler skips the step) instead of the residual keeping
-    it for good."""
-    return torch.logical_not(magnitudes < theta)
-
-
 def _at_least(tensor: torch.Tensor, theta: float) -> torch.Tensor:
     """Sorted positions of the non-zero entries with |value| >= theta or NaN."""
-    return torch.nonzero(_not_below(tensor.abs(), theta) & (tensor != 0)).reshape(-1)
+    return torch.nonzero(not_below(tensor.abs(), theta) & (tensor != 0)).reshape(-1)
 
 
 def _nudge(theta: float, count: int, k: int, band: tuple[float, float], scale: float) -> float:
@@ -206,13 +199,13 @@ class OkTopk(CodedAllreduce):
                 recomputed = True
             else:
                 global_theta = self._theta_global[name]
-                mine = _not_below(magnitudes, global_theta).sum().to(torch.int64).reshape(1).cpu()
+                mine = not_below(magnitudes, global_theta).sum().to(torch.int64).reshape(1).cpu()
                 count = int(ex.allreduce(mine, "count")[0])
                 if not GUARD_BAND[0] * k <= count <= GUARD_BAND[1] * k:
                     global_theta = self._recompute_global(ex, name, reduced[candidates], k)
                     recomputed = True
         with ex.selecting():
-            selected = candidates[_not_below(magnitudes, global_theta)]
+            selected = candidates[not_below(magnitudes, global_theta)]
         with ex.phase("gather"):
             enc = ex.encode(reduced, selected, f"gather.{me}")
             ex.stats.entries["gather"] = enc.indices.numel()

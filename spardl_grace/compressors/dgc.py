@@ -6,6 +6,7 @@ sample positions come from a per-rank seeded generator, so runs are reproducible
 import torch
 
 from ..api import Compressor
+from ..selection import not_below
 from ..utils.seeding import generator
 from ._sparse import SparseCompressorMixin
 
@@ -30,8 +31,7 @@ class DgcCompressor(SparseCompressorMixin, Compressor):
         k_sample = max(1, int(n_sample * self.compress_ratio))
         threshold = torch.topk(sample, k_sample, sorted=False).values.min()
         target = numel * self.compress_ratio
-        # Not below the threshold, rather than >=: a NaN is selected (see selection.topk_abs).
-        mask = torch.logical_not(magnitude < threshold)
+        mask = not_below(magnitude, threshold)
         for _ in range(10):
             selected = int(mask.sum())
             if selected > 1.3 * target:
@@ -40,7 +40,7 @@ class DgcCompressor(SparseCompressorMixin, Compressor):
                 threshold = threshold * 0.7
             else:
                 break
-            mask = torch.logical_not(magnitude < threshold)
+            mask = not_below(magnitude, threshold)
         indices = torch.nonzero(mask).reshape(-1)
         return [flat[indices], indices], (numel, tensor.shape, mask)
 
