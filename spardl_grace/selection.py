@@ -50,7 +50,6 @@ def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([found, torch.nonzero(flags[head:]).reshape(-1) + head])
 
 
-@functools.lru_cache(maxsize=256)
 def not_below(magnitudes: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
     """magnitudes >= threshold, with a NaN counted as not below any threshold. A NaN fails
     every comparison, so `>=` would drop it: the selections keep it instead (as torch.topk
@@ -59,6 +58,7 @@ def not_below(magnitudes: torch.Tensor, threshold: float | torch.Tensor) -> torc
     return torch.logical_not(magnitudes < threshold)
 
 
+@functools.lru_cache(maxsize=256)
 def sample_stride(approx: int) -> int:
     """The smallest prime >= approx (and >= 2): the prefilter's sample stride. Gradients have
     periodic zeros (the 8 border taps of a 3x3 kernel that only ever sees 1x1 inputs, dead

@@ -221,3 +221,24 @@ def test_topk_abs_prefilter_samples_every_phase_of_periodic_zeros(monkeypatch):
     assert max(sizes) < 3 * k, sizes
     assert torch.equal(x[got].abs().sort().values, torch.topk(x.abs(), k).values.sort().values)
     assert [sample_stride(a) for a in (0, 4, 72, 100)] == [2, 5, 73, 101]
+
+
+def test_not_below_reads_its_input_each_call_and_keeps_no_reference():
+    """not_below is a pure predicate: a buffer written in place between two calls with the
+    same threshold gives the new answer, and the tensors it is handed are not kept alive (a
+    cache keyed by the tensor, as a misplaced decorator once made it, returned the stale mask
+    and held on to up to 256 gradient-sized tensors)."""
+    import gc
+    import weakref
+
+    from spardl_grace.selection import not_below
+    buffer = torch.tensor([0.1, 0.9, float("nan")])
+    assert not_below(buffer, 0.5).tolist() == [False, True, True]
+    buffer.copy_(torch.tensor([0.9, 0.1, 0.2]))
+    assert not_below(buffer, 0.5).tolist() == [True, False, False]
+    transient = torch.ones(4)
+    alive = weakref.ref(transient)
+    not_below(transient, 0.5)
+    del transient
+    gc.collect()
+    assert alive() is None
