@@ -16,6 +16,9 @@ trace and every rank's step statistics (the simulator's input); `replay_s`, the 
 messages sent again with no computation between them (the communication alone, which
 comm_s exceeds by the waits for peers still computing); and, before the algorithms, probes of
 every op kind the cost model knows at this P (`probes`, benchmarks.costmodel.probe_op).
+Passes over the gradient: `other_s` is a step's time outside selection, communication and
+coding (on its busiest rank), `copy_s` the time of one copy of the gradient that every rank
+takes at once just before each step, and `passes_vs_copy` the first in units of the second.
 --bandwidth runs the ranks in network namespaces whose links tc shapes to that rate
 (benchmarks.netem; root only).
 
@@ -168,6 +171,16 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
             if name in costmodel.ALGORITHMS else None
         # gTop-k's formula is its busiest rank's; every other algorithm's is symmetric.
         measured = max(mean_bytes) if name == "gtopk" else statistics.fmean(mean_bytes)
+        if all("copy_s" in s for rank_steps in per_rank for s in rank_steps):
+            # Time outside selection, coding and communication (passes over the gradient,
+            # allocations, bookkeeping) on each step's busiest rank, in copies of the gradient
+            # timed in the same run.
+            times["other_s"] = spread([max(s["total_s"] - sum(s[t] for t in TIMES[1:])
+                                           for s in (rs[i] for rs in per_rank))
+                                       for i in range(steps)])
+            times["copy_s"] = spread([max(rs[i]["copy_s"] for rs in per_rank)
+                                      for i in range(steps)])
+            times["passes_vs_copy"] = times["other_s"]["median"] / times["copy_s"]["median"]
         replays = [r["algorithms"][name].get("replay_s") for r in ranks]
         if all(replays):
             times["replay_s"] = spread([min(rank[i] for rank in replays)
@@ -211,13 +224,19 @@ def table(result: dict[str, Any]) -> str:
              f"network {result['config']['bandwidth'] or 'unshaped'}, backend "
              f"{result['config']['backend']}; medians over steps",
              f"{'algorithm':16s} {'total s':>9s} {'select s':>9s} {'comm s':>9s} {'coding s':>9s} "
-             f"{'MB/rank':>9s} {'vs formula':>10s} {'vs dense':>9s}"]
+             f"{'other s':>9s} {'copies':>7s} {'MB/rank':>9s} {'vs formula':>10s} {'vs dense':>9s}"]
     for name, r in result["algorithms"].items():
         vs_formula = f"{r['bytes_vs_formula']:.3f}" if r["bytes_vs_formula"] else "-"
+        other = f"{r['other_s']['median']:9.3f}" if "other_s" in r else f"{'-':>9s}"
+        copies = f"{r['passes_vs_copy']:7.1f}" if "passes_vs_copy" in r else f"{'-':>7s}"
         lines.append(f"{name:16s} {r['total_s']['median']:9.3f} {r['selection_s']['median']:9.3f} "
-                     f"{r['comm_s']['median']:9.3f} {r['coding_s']['median']:9.3f} "
+                     f"{r['comm_s']['median']:9.3f} {r['coding_s']['median']:9.3f} {other} {copies} "
                      f"{r['bytes_sent_per_rank'] / 1e6:9.3f} {vs_formula:>10s} "
                      f"{r.get('time_vs_dense', float('nan')):9.3f}")
+    copies = [r["copy_s"]["median"] for r in result["algorithms"].values() if "copy_s" in r]
+    if copies:
+        lines.append(f"other s: time outside selection, communication and coding; copies: that "
+                     f"time in copies of the gradient (one copy: {statistics.median(copies):.3f} s)")
     return "\n".join(lines)
 
 

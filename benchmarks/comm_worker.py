@@ -203,16 +203,30 @@ def time_replay(transport: Transport, messages: list[Message], repeat: int) -> l
     return times
 
 
+def time_copy(transport: Transport, grad: torch.Tensor, target: torch.Tensor, name: str) -> float:
+    """Seconds of one copy of the gradient into an allocated buffer, every rank copying at once
+    after a barrier as in a step (so with the same share of the cores): the unit in which the
+    benchmark states an algorithm's passes over the gradient."""
+    transport.barrier(name)
+    start = time.perf_counter()
+    target.copy_(grad)
+    synchronize(grad.device)
+    return time.perf_counter() - start
+
+
 def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
                    transport: Transport) -> dict[str, Any]:
-    """Warm-up steps, then `repeat` timed steps; per step this rank's seconds and bytes, and the
-    last step's message trace and statistics; then that trace replayed `repeat` times
-    (`replay_s`, communication without the computation between messages)."""
+    """Warm-up steps, then `repeat` timed steps; per step this rank's seconds and bytes, the
+    seconds of one copy of the gradient taken just before it (`copy_s`), and the last step's
+    message trace and statistics; then that trace replayed `repeat` times (`replay_s`,
+    communication without the computation between messages)."""
     counting = CountingTransport(transport)
     grc = deepreduce_from_params(algorithm_params(name, cfg["density"], cfg["teams"],
                                                   cfg["codec"]), transport=counting)
+    target = torch.empty_like(grads[0])
     steps = []
     for i, grad in enumerate(grads):
+        copy_s = time_copy(transport, grad, target, f"{name}.copy.{i}")
         counting.reset()
         own = grad.clone()  # steps must not see each other's writes; copying is not timed
         transport.barrier(f"{name}.{i}")
@@ -224,7 +238,7 @@ def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
             continue
         stats = dict(grc.last_stats)
         steps.append({"total_s": total, **{k: float(stats.get(k, 0.0)) for k in STAT_TIMES},
-                      "bytes_sent": counting.bytes_sent, "stats": stats})
+                      "copy_s": copy_s, "bytes_sent": counting.bytes_sent, "stats": stats})
     trace = list(counting.messages)
     messages = [[m.op, m.name, m.peer, m.bytes_sent, m.bytes_received] for m in trace]
     return {"steps": steps, "messages": messages,

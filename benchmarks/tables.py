@@ -18,14 +18,22 @@ def comm_table(result: dict[str, Any]) -> str:
              f"alpha {result['link']['alpha'] * 1e3:.2f} ms, "
              f"{8 / result['link']['beta'] / 1e6:,.0f} Mbit/s" if result["link"]["beta"] else "",
              "",
-             "| algorithm | total s | selection s | comm s | coding s | MB/rank | vs formula | vs dense |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| algorithm | total s | selection s | comm s | coding s | other s | copies | MB/rank "
+             "| vs formula | vs dense |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["algorithms"].items():
         vs_formula = f"{r['bytes_vs_formula']:.3f}" if r["bytes_vs_formula"] else "-"
+        other = f"{r['other_s']['median']:.3f}" if "other_s" in r else "-"
+        copies = f"{r['passes_vs_copy']:.1f}" if "passes_vs_copy" in r else "-"
         lines.append(f"| {name} | {r['total_s']['median']:.3f} | {r['selection_s']['median']:.3f} | "
-                     f"{r['comm_s']['median']:.3f} | {r['coding_s']['median']:.3f} | "
-                     f"{r['bytes_sent_per_rank'] / 1e6:.3f} | {vs_formula} | "
+                     f"{r['comm_s']['median']:.3f} | {r['coding_s']['median']:.3f} | {other} | "
+                     f"{copies} | {r['bytes_sent_per_rank'] / 1e6:.3f} | {vs_formula} | "
                      f"{r.get('time_vs_dense', float('nan')):.2f} |")
+    copy = [r["copy_s"]["median"] for r in result["algorithms"].values() if "copy_s" in r]
+    if copy:
+        lines += ["", f"other s: time outside selection, communication and coding; copies: that "
+                      f"time in copies of the gradient, timed in the same run (one copy: "
+                      f"{statistics.median(copy):.3f} s)."]
     return "\n".join(lines) + "\n"
 
 

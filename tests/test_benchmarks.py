@@ -190,6 +190,10 @@ def test_comm_benchmark_runs_every_algorithm_on_real_processes(tmp_path):
         assert r["total_s"]["min"] <= r["total_s"]["median"] <= r["total_s"]["max"]
         assert len(r["stats"]) == 3 and all(len(s) == 2 for s in r["stats"])
         assert r["messages_rank0"]
+        # Passes are stated in copies of the gradient timed in the same run.
+        assert r["copy_s"]["median"] > 0 and r["other_s"]["median"] >= 0
+        assert r["passes_vs_copy"] == r["other_s"]["median"] / r["copy_s"]["median"]
+        assert r["other_s"]["median"] <= r["total_s"]["max"]
     assert result["algorithms"]["dense"]["time_vs_dense"] == 1.0
     assert result["link"]["alpha"] > 0 and result["link"]["beta"] > 0
     assert list(result["probes"]) == list(costmodel.KINDS)
@@ -216,7 +220,9 @@ def test_comm_benchmark_runs_pytorchs_own_hooks_beside_the_library(tmp_path):
     assert runs["torch_ddp"]["bytes_sent_per_rank"] == ring_allreduce_bytes(4 * n, 3)
     assert runs["torch_fp16"]["bytes_sent_per_rank"] == ring_allreduce_bytes(2 * n, 3)
     assert 0 < runs["torch_powersgd1"]["bytes_sent_per_rank"] < runs["torch_fp16"]["bytes_sent_per_rank"]
+    assert "passes_vs_copy" in runs["spardl"]
     for name in hooks:
+        assert "passes_vs_copy" not in runs[name]  # DDP's passes are not told apart from its hook's
         assert runs[name]["bytes_vs_formula"] is None and runs[name]["total_s"]["median"] >= 0
         assert all(s["ddp_backward_s"] > 0 for rank in runs[name]["stats"] for s in rank)
 
@@ -324,6 +330,8 @@ def test_simulator_validates_predicts_to_1024_and_plots(tmp_path):
     assert set(sim["teams"]["measured link"]["1024"]) == {str(2 ** i) for i in range(11)}
     md = tables.tables(tmp_path)
     assert "| spardl | 2 |" not in md and "| 2 | spardl |" in md and "P=1024" in md
+    comm_md = tables.comm_table(json.loads(files[0].read_text()))
+    assert "| other s | copies |" in comm_md and "one copy: " in comm_md
     made = plots.plot_all(tmp_path)
     assert {p.name for p in made} == {"time_vs_workers.png", "simulated_scaling.png",
                                       "spardl_teams.png"}
