@@ -12,16 +12,20 @@ starts compressing at step 2, SparDL runs without density warm-up: steady state)
 --workers independent single-worker trainers at once, so they share the cores as the real
 workers do, with nothing to synchronise (each still runs this library's optimizer path with
 P = 1, whose flatten and copy-back of the gradient are included). Beside each step: the payload
-bytes per worker after the skipped steps and the time they take on the link at its rate.
+bytes per worker after the skipped steps, the time they take on the link at its rate, and the
+bound issue 15 sets a step: compute only + that wire time + 3 copies of the gradient, a copy
+timed with --workers processes copying at once (the cores shared as in the run).
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import signal
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +106,54 @@ def compute_only(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times)}
 
 
+COPIES_IN_BOUND = 3
+
+
+def _copy_worker(numel: int, repeat: int, barrier: Any, times: Any) -> None:
+    import torch
+    torch.set_num_threads(1)
+    source, target = torch.randn(numel), torch.empty(numel)
+    target.copy_(source)  # first touch of the pages, not timed
+    mine = []
+    for _ in range(repeat):
+        barrier.wait()
+        start = time.perf_counter()
+        target.copy_(source)
+        mine.append(time.perf_counter() - start)
+    times.put(mine)
+
+
+def copy_seconds(numel: int, workers: int, repeat: int = 10) -> float:
+    """Median over `repeat` rounds of the slowest of `workers` processes copying a
+    `numel`-entry float32 tensor at the same moment."""
+    context = multiprocessing.get_context("spawn")
+    barrier, times = context.Barrier(workers), context.Queue()
+    procs = [context.Process(target=_copy_worker, args=(numel, repeat, barrier, times))
+             for _ in range(workers)]
+    for proc in procs:
+        proc.start()
+    per_worker = [times.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join()
+    return statistics.median(max(round_) for round_ in zip(*per_worker))
+
+
+def gradient_numel(dnn: str) -> int:
+    from experiments.models import build_model
+    return sum(p.numel() for p in build_model(dnn, 1, 10).parameters())
+
+
+def add_bounds(result: dict[str, Any]) -> None:
+    """Each row's bound (compute only + wire time of its bytes + COPIES_IN_BOUND copies) and
+    its step's ratio to it, where the network has a rate."""
+    fixed = result["compute_only"]["step_s"] + COPIES_IN_BOUND * result["copy_s"]
+    for rows in result["networks"].values():
+        for r in rows.values():
+            if r["wire_s_of_bytes"] is not None:
+                r["bound_s"] = fixed + r["wire_s_of_bytes"]
+                r["vs_bound"] = r["step_s"] / r["bound_s"]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     why = available()
     networks = args.bandwidths if why is None else [None]
@@ -110,12 +162,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "emulated": why is None, "why_not_emulated": why, "networks": {}}
     with tempfile.TemporaryDirectory() as tmp:
         result["compute_only"] = compute_only(args, Path(tmp))
+        result["copy_s"] = copy_seconds(gradient_numel(args.dnn), args.workers)
         for rate in networks:
             rows = {}
             for name in args.algorithms:
                 print(f"{rate or 'loopback'}: {name} ...", flush=True)
                 rows[name] = run_algorithm(args, name, rate, Path(tmp) / f"{rate}-{name}")
             result["networks"][rate or "loopback"] = rows
+    add_bounds(result)
     return result
 
 
@@ -123,18 +177,22 @@ def table(result: dict[str, Any]) -> str:
     c = result["config"]
     lines = [f"{c['dnn']}, batch {c['batch_size']}/worker, {c['workers']} workers, median s per "
              f"training step (steps {c['skip']}..{c['steps'] - 1}); compute only "
-             f"{result['compute_only']['step_s']:.3f} s"]
+             f"{result['compute_only']['step_s']:.3f} s, one copy of the gradient "
+             f"{result['copy_s']:.4f} s; bound: compute only + wire s + {COPIES_IN_BOUND} copies"]
     if not result["emulated"]:
         lines.append(f"loopback only: {result['why_not_emulated']}")
     for network, rows in result["networks"].items():
         lines.append(f"\n{network}:\n{'algorithm':<26}{'s/step':>9}{'MB/step':>9}{'wire s':>8}"
-                     f"{'vs DDP':>8}")
+                     f"{'vs DDP':>8}{'bound s':>9}{'vs bound':>9}")
         ddp = rows.get("ddp", {}).get("step_s")
         for name, r in rows.items():
             wire = f"{r['wire_s_of_bytes']:.3f}" if r["wire_s_of_bytes"] is not None else "-"
             vs = f"{r['step_s'] / ddp:.2f}" if ddp else "-"
+            bound = f"{r['bound_s']:.3f}" if "bound_s" in r else "-"
+            vs_bound = f"{r['vs_bound']:.2f}" if "vs_bound" in r else "-"
             lines.append(f"{compare.LABELS[name]:<26}{r['step_s']:>9.3f}"
-                         f"{r['bytes_per_step'] / 1e6:>9.3f}{wire:>8}{vs:>8}")
+                         f"{r['bytes_per_step'] / 1e6:>9.3f}{wire:>8}{vs:>8}{bound:>9}"
+                         f"{vs_bound:>9}")
     return "\n".join(lines)
 
 

@@ -395,7 +395,14 @@ def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
     assert rows["powersgd4"]["bytes_per_step"] < 0.5 * rows["ddp"]["bytes_per_step"]
     n = sum(p.numel() for p in build_model("fashioncnn", 1, 10).parameters())
     assert rows["ddp"]["bytes_per_step"] == 2 * 4 * n * (2 - 1) // 2  # ring all-reduce, fp32
+    assert saved["copy_s"] > 0
     if result["emulated"]:
         assert rows["ddp"]["wire_s_of_bytes"] == rows["ddp"]["bytes_per_step"] * 8 / 20e6
+        for r in rows.values():  # the bound: compute + wire time + 3 copies
+            assert r["bound_s"] == pytest.approx(saved["compute_only"]["step_s"]
+                                                 + 3 * saved["copy_s"] + r["wire_s_of_bytes"])
+            assert r["vs_bound"] == pytest.approx(r["step_s"] / r["bound_s"])
+    else:
+        assert all("bound_s" not in r for r in rows.values())
     with pytest.raises(SystemExit):
         train_step.parse_args(["--algorithms", "nope"])
