@@ -45,7 +45,7 @@ import torch
 from ..api import Memory
 from ..params import int_at_least, number_above, ranged
 from ..payload import PayloadCodec
-from ..selection import count_for_ratio, not_below, topk_abs
+from ..selection import count_for_ratio, not_below, sparse_nonzero, topk_abs
 from ..transport import Transport
 from ._base import CodedAllreduce
 from .collectives import global_kth_magnitude
@@ -106,7 +106,10 @@ def _kth_magnitude(tensor: torch.Tensor, k: int) -> float:
 
 def _at_least(tensor: torch.Tensor, theta: float) -> torch.Tensor:
     """Sorted positions of the non-zero entries with |value| >= theta or NaN."""
-    return torch.nonzero(not_below(tensor.abs(), theta) & (tensor != 0)).reshape(-1)
+    mask = not_below(tensor.abs(), theta)
+    if not theta > 0:  # above 0 the threshold itself excludes the zeros
+        mask &= tensor != 0
+    return sparse_nonzero(mask)
 
 
 def _nudge(theta: float, count: int, k: int, band: tuple[float, float], scale: float) -> float:
@@ -186,23 +189,27 @@ class OkTopk(CodedAllreduce):
         with ex.phase("reduce"):
             sent, reduced, member = ex.reduce_scatter(tensor, chosen, offsets)
         me = ex.rank
-        lo, hi = offsets[me], offsets[me + 1]
+        lo = offsets[me]
 
-        candidates = torch.nonzero(member).reshape(-1)
-        magnitudes = reduced[candidates].abs()
+        candidates = sparse_nonzero(member)
+        magnitudes = reduced.index_select(0, candidates).abs()
         recomputed = False
         with ex.phase("threshold"):
             if everything:
                 global_theta = 0.0
             elif t % self.threshold_interval == 0 or name not in self._theta_global:
-                global_theta = self._recompute_global(ex, name, reduced[candidates], k)
+                global_theta = self._recompute_global(
+                    ex, name, reduced.index_select(0, candidates), k
+                )
                 recomputed = True
             else:
                 global_theta = self._theta_global[name]
                 mine = not_below(magnitudes, global_theta).sum().to(torch.int64).reshape(1).cpu()
                 count = int(ex.allreduce(mine, "count")[0])
                 if not GUARD_BAND[0] * k <= count <= GUARD_BAND[1] * k:
-                    global_theta = self._recompute_global(ex, name, reduced[candidates], k)
+                    global_theta = self._recompute_global(
+                        ex, name, reduced.index_select(0, candidates), k
+                    )
                     recomputed = True
         with ex.selecting():
             selected = candidates[not_below(magnitudes, global_theta)]
@@ -219,18 +226,21 @@ class OkTopk(CodedAllreduce):
             support.append(offsets[j] + idx)
             result.index_copy_(0, support[-1], vals)
             delivered.index_fill_(0, support[-1], True)
-        self.record_support(name, result, torch.cat(support))
+        everywhere = torch.cat(support)
+        self.record_support(name, result, everywhere)
         # Senders are credited with what they sent to delivered indices; the owner keeps the
-        # difference a lossy codec made to what it delivered.
+        # difference a lossy codec made to what it delivered (its own piece, support[me]).
         positions, values = sent
-        credited = delivered[positions]
+        credited = delivered.index_select(0, positions)
         positions = positions[credited]
         residual = self.working_copy(tensor, name)
-        residual[positions] = residual[positions] - values[credited]
-        residual[lo:hi] += torch.where(
-            delivered[lo:hi], reduced - result[lo:hi], torch.zeros_like(reduced)
+        residual.index_copy_(0, positions, residual.index_select(0, positions) - values[credited])
+        mine = support[me]
+        residual.index_add_(
+            0, mine, reduced.index_select(0, mine - lo) - result.index_select(0, mine)
         )
-        result /= ex.size
+        # Zeros need no division.
+        result.index_copy_(0, everywhere, result.index_select(0, everywhere) / ex.size)
         if not everything and not recomputed:
             count = int(delivered.sum())
             self._theta_global[name] = _nudge(
