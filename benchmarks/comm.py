@@ -60,7 +60,8 @@ def machine() -> dict[str, Any]:
     import torch
     return {"platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "cpus": os.cpu_count(),
-            "processor": platform.processor() or platform.machine()}
+            "processor": platform.processor() or platform.machine(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def write_json(path: Path | str | None, data: dict[str, Any]) -> None:

@@ -14,7 +14,9 @@ workers do, with nothing to synchronise (each still runs this library's optimize
 P = 1, whose flatten and copy-back of the gradient are included). Beside each step: the payload
 bytes per worker after the skipped steps, the time they take on the link at its rate, and the
 bound issue 15 sets a step: compute only + that wire time + 3 copies of the gradient, a copy
-timed with --workers processes copying at once (the cores shared as in the run).
+timed with --workers processes copying at once (the cores shared as in the run). With
+--device cuda (the default where a GPU is visible) the trainers compute on the GPU, rank r on
+GPU r mod the GPUs here, and the copy is timed there.
 """
 from __future__ import annotations
 
@@ -29,10 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks.comm import machine, write_json
 from benchmarks.netem import available, rate_bits_per_s, run_all
 from experiments import compare
-from experiments.main_trainer import read_log
+from experiments.main_trainer import DEVICES, read_log
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where the trainers compute and the copy is timed: cuda (the workers "
+                        "share this machine's GPUs as the training CLI places them), cpu, or "
+                        "auto (cuda when a GPU is visible)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     args.algorithms = [a for a in args.algorithms.split(",") if a]
@@ -62,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(str(exc))
     if args.steps <= args.skip:
         p.error("--steps must be larger than --skip")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible here; use --device cpu")
     return args
 
 
@@ -76,7 +88,7 @@ def _trainer(args: argparse.Namespace, out: Path, workers: int, options: list[st
             "--batch-size", str(args.batch_size), "--density", str(args.density),
             "--max-epochs", "1", "--max-steps", str(args.steps), "--test-samples", "100",
             "--eval-every", str(args.skip),
-            "--powersgd-start-iter", "2", "--out", str(out), *options]
+            "--powersgd-start-iter", "2", "--device", args.device, "--out", str(out), *options]
 
 
 def step_times(out: Path, skip: int) -> list[float]:
@@ -109,26 +121,30 @@ def compute_only(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
 COPIES_IN_BOUND = 3
 
 
-def _copy_worker(numel: int, repeat: int, barrier: Any, times: Any) -> None:
-    import torch
+def _copy_worker(numel: int, repeat: int, barrier: Any, times: Any, device: str) -> None:
     torch.set_num_threads(1)
-    source, target = torch.randn(numel), torch.empty(numel)
+    source = torch.randn(numel, device=device)
+    target = torch.empty_like(source)
     target.copy_(source)  # first touch of the pages, not timed
     mine = []
     for _ in range(repeat):
+        if device != "cpu":
+            torch.cuda.synchronize(device)
         barrier.wait()
         start = time.perf_counter()
         target.copy_(source)
+        if device != "cpu":
+            torch.cuda.synchronize(device)
         mine.append(time.perf_counter() - start)
     times.put(mine)
 
 
-def copy_seconds(numel: int, workers: int, repeat: int = 10) -> float:
+def copy_seconds(numel: int, workers: int, repeat: int = 10, device: str = "cpu") -> float:
     """Median over `repeat` rounds of the slowest of `workers` processes copying a
-    `numel`-entry float32 tensor at the same moment."""
+    `numel`-entry float32 tensor on `device` at the same moment."""
     context = multiprocessing.get_context("spawn")
     barrier, times = context.Barrier(workers), context.Queue()
-    procs = [context.Process(target=_copy_worker, args=(numel, repeat, barrier, times))
+    procs = [context.Process(target=_copy_worker, args=(numel, repeat, barrier, times, device))
              for _ in range(workers)]
     for proc in procs:
         proc.start()
@@ -162,7 +178,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "emulated": why is None, "why_not_emulated": why, "networks": {}}
     with tempfile.TemporaryDirectory() as tmp:
         result["compute_only"] = compute_only(args, Path(tmp))
-        result["copy_s"] = copy_seconds(gradient_numel(args.dnn), args.workers)
+        result["copy_s"] = copy_seconds(gradient_numel(args.dnn), args.workers,
+                                        device=args.device)
         for rate in networks:
             rows = {}
             for name in args.algorithms:
@@ -175,7 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     c = result["config"]
-    lines = [f"{c['dnn']}, batch {c['batch_size']}/worker, {c['workers']} workers, median s per "
+    lines = [f"{c['dnn']}, batch {c['batch_size']}/worker, {c['workers']} workers on "
+             f"{c.get('device', 'cpu')}, median s per "
              f"training step (steps {c['skip']}..{c['steps'] - 1}); compute only "
              f"{result['compute_only']['step_s']:.3f} s, one copy of the gradient "
              f"{result['copy_s']:.4f} s; bound: compute only + wire s + {COPIES_IN_BOUND} copies"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import time
 
@@ -388,6 +389,8 @@ def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
                               "--steps", "5", "--skip", "2", "--json", str(tmp_path / "r.json")])
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["config"]["dnn"] == "fashioncnn" and saved["compute_only"]["step_s"] > 0
+    on = "cuda" if torch.cuda.is_available() else "cpu"  # --device auto
+    assert saved["config"]["device"] == on and f"2 workers on {on}" in train_step.table(saved)
     rows = next(iter(result["networks"].values()))
     assert list(rows) == ["ddp", "powersgd4", "spardl"]
     assert rows["spardl"]["bytes_per_step"] < 0.05 * rows["ddp"]["bytes_per_step"]
@@ -406,3 +409,34 @@ def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
         assert all("bound_s" not in r for r in rows.values())
     with pytest.raises(SystemExit):
         train_step.parse_args(["--algorithms", "nope"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            train_step.parse_args(["--device", "cuda"])
+
+
+# ------------------------------------------------------------------ iproute2 for the GPU machines
+def test_packed_iproute2_emulates_a_link_and_leaves_no_library_path_to_its_children(tmp_path):
+    """benchmarks/carry_iproute2.sh packs ip and tc with their libraries (for lent machines that
+    have none): the packed tools report their version, create a shaped namespace, and a program
+    they start in it sees no library path of theirs."""
+    require_netns()
+    dest = tmp_path / "ipr"
+    subprocess.run(["bash", str(comm.ROOT / "benchmarks" / "carry_iproute2.sh"), str(dest)],
+                   check=True, capture_output=True)
+    assert "iproute2" in subprocess.run([dest / "tc", "-V"], capture_output=True, text=True,
+                                        check=True).stdout
+    ns = f"sdpack{os.getpid() % 100000}"
+    subprocess.run([dest / "ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run([dest / "ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        subprocess.run([dest / "ip", "netns", "exec", ns, dest / "tc", "qdisc", "add", "dev",
+                        "lo", "root", "tbf", "rate", "1mbit", "burst", "64kb", "latency", "50ms"],
+                       check=True)
+        shown = subprocess.run([dest / "ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev",
+                                "lo"], capture_output=True, text=True, check=True).stdout
+        assert "tbf" in shown and "1Mbit" in shown
+        env = subprocess.run([dest / "ip", "netns", "exec", ns, "env"], capture_output=True,
+                             text=True, check=True).stdout
+        assert str(dest) not in env
+    finally:
+        subprocess.run([dest / "ip", "netns", "del", ns], capture_output=True)
