@@ -156,3 +156,62 @@ def test_training_cli_on_cuda(tmp_path, compressor):
     assert torch.equal(final[0]["params"], final[1]["params"])
     assert torch.isfinite(final[0]["params"]).all()
     assert 0.1 < final[0]["summary"]["test_accuracy"] <= 1.0
+
+
+SPARSE = [("spardl", {}), *((peer, {}) for peer in scenarios.PEERS if peer != "dense")]
+
+
+@pytest.mark.parametrize("comm,extra", SPARSE, ids=lambda a: str(a))
+def test_periodic_zeros_on_cuda_equal_the_cpu(comm, extra):
+    """A gradient with 8 of every 9 entries zero (VGG-16's last 3x3 convolutions see 1x1
+    inputs), large enough for the top-k prefilter, at a density whose 1.5 k exceeds the
+    non-zeros: its sample finds a threshold of 0 and keeps only non-zero candidates, on the GPU
+    as on the CPU, bit for bit."""
+    n = 9 * (1 << 14)
+
+    def fn(device):
+        def per_rank(t):
+            grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
+                                     **params_of(comm, extra, 0.1)}, transport=t)
+            g = torch.Generator().manual_seed(t.rank)
+            out = []
+            for _ in range(3):
+                grad = torch.zeros(n, dtype=torch.float64)
+                grad[4::9] = torch.randn(n // 9, generator=g, dtype=torch.float64)
+                out.append(grc.step(grad.to(device), "w").cpu())
+            return out
+        return run_local(4, per_rank)
+    on_gpu, on_cpu = fn(CUDA), fn(torch.device("cpu"))
+    for rank in range(4):
+        for step, (gpu, cpu) in enumerate(zip(on_gpu[rank], on_cpu[rank])):
+            assert torch.equal(gpu, cpu) and torch.equal(gpu, on_gpu[0][step]), (rank, step)
+
+
+@pytest.mark.parametrize("comm,extra", SPARSE, ids=lambda a: str(a))
+def test_a_nan_on_cuda_reaches_every_ranks_result_and_lent_results_equal_fresh(comm, extra):
+    """On the GPU as on the CPU: a NaN on one rank is selected (through the prefilter and
+    Ok-Topk's reused thresholds) and reaches every rank's result, result_is_finite says so
+    from the support alone, and results lent under reuse_results equal fresh ones."""
+    n = 1 << 17
+
+    def fn(t, reuse):
+        grc = grace_from_params({"memory": "global_residual", "compressor": "topk",
+                                 **params_of(comm, extra, 0.01)}, transport=t)
+        grc.reuse_results = reuse
+        g = torch.Generator().manual_seed(t.rank)
+        out = []
+        for step in range(5):
+            grad = torch.randn(n, generator=g).to(CUDA)
+            if step == 2 and t.rank == 1:
+                grad[12345] = float("nan")
+            result = grc.step(grad, "w")
+            out.append((result.nan_to_num(0.0, 1.0, -1.0).cpu(),
+                        bool(torch.isfinite(result).all()), grc.result_is_finite(result, "w")))
+            grc.memory.residuals["w"].nan_to_num_(0.0, 0.0, 0.0)  # go on after the bad step
+        return out
+    lent, fresh = run_local(3, fn, True), run_local(3, fn, False)
+    for rank in range(3):
+        assert [(full, sparse) for _, full, sparse in lent[rank]] == [
+            (True, True), (True, True), (False, False), (True, True), (True, True)]
+        for (a, _, _), (b, _, _), (c, _, _) in zip(lent[rank], fresh[rank], lent[0]):
+            assert torch.equal(a, b) and torch.equal(a, c)
