@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from benchmarks.comm import machine, write_json
+from benchmarks.comm_worker import synchronize
 from benchmarks.netem import available, rate_bits_per_s, run_all
 from experiments import compare
-from experiments.main_trainer import DEVICES, read_log
+from experiments.main_trainer import DEVICES, read_log, resolve_device
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,10 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(str(exc))
     if args.steps <= args.skip:
         p.error("--steps must be larger than --skip")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is visible here; use --device cpu")
+    args.device = resolve_device(args.device, p)
     return args
 
 
@@ -128,13 +126,11 @@ def _copy_worker(numel: int, repeat: int, barrier: Any, times: Any, device: str)
     target.copy_(source)  # first touch of the pages, not timed
     mine = []
     for _ in range(repeat):
-        if device != "cpu":
-            torch.cuda.synchronize(device)
+        synchronize(source.device)
         barrier.wait()
         start = time.perf_counter()
         target.copy_(source)
-        if device != "cpu":
-            torch.cuda.synchronize(device)
+        synchronize(source.device)
         mine.append(time.perf_counter() - start)
     times.put(mine)
 

@@ -75,6 +75,16 @@ DEFAULT_WARMUP_START = 0.0625
 DENSITY_COMPRESSORS = (*(c for c in SPARSE_ALLREDUCES if c != "dense"), "topk", "randomk", "dgc")
 LOGS = ("csv", "wandb", "tensorboard")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str, parser: argparse.ArgumentParser) -> str:
+    """One of DEVICES as the place to compute: 'auto' is 'cuda' where a GPU is visible, else
+    'cpu'; 'cuda' without a visible GPU is a usage error (parser.error) naming --device cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible here; use --device cpu")
+    return device
 # The sparse all-reduces' own split of a sync (seconds); GRACE's loop reports none of them.
 TIME_SPLIT = ("selection_s", "comm_s", "coding_s")
 _INIT_LOCK = threading.Lock()
@@ -220,10 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if task != DATASET_TASKS[args.dataset]:
         fits = sorted(d for d, t in DATASET_TASKS.items() if t == task)
         p.error(f"--dnn {args.dnn} reads {task} data; data sets for it: {', '.join(fits)}")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is visible here; use --device cpu")
+    args.device = resolve_device(args.device, p)
     unknown = set(filter(None, args.log.split(","))) - set(LOGS)
     if unknown:
         p.error(f"unknown --log {sorted(unknown)}; valid choices: {', '.join(LOGS)}")
