@@ -67,6 +67,52 @@ def known_size_sendrecv(transport) -> dict:
     return out
 
 
+def posting_order(transport) -> dict:
+    """The order in which the transport posts the two halves of each sendrecv (a pairwise
+    exchange, then a ring shift; sizes unknown, then known), recorded where it hands them to
+    the backend: torch.distributed's batch_isend_irecv, or MPI's Isend/Irecv. Returns
+    {"batches": [[op kind, ...] per posting], "received": [what each sendrecv gave]}."""
+    r, p = transport.rank, transport.size
+    batches: list[list[str]] = []
+    if hasattr(transport, "comm"):  # MPITransport
+        comm = transport.comm
+
+        class Recording:
+            def __getattr__(self, name):
+                return getattr(comm, name)
+
+            def Isend(self, *args, **kwargs):
+                batches.append(["send"])
+                return comm.Isend(*args, **kwargs)
+
+            def Irecv(self, *args, **kwargs):
+                batches.append(["recv"])
+                return comm.Irecv(*args, **kwargs)
+
+        transport.comm = Recording()
+        restore = lambda: setattr(transport, "comm", comm)  # noqa: E731
+    else:
+        import torch.distributed as dist
+        original = dist.batch_isend_irecv
+
+        def recording(ops):
+            batches.append(["recv" if op.op is dist.irecv else "send" for op in ops])
+            return original(ops)
+
+        dist.batch_isend_irecv = recording
+        restore = lambda: setattr(dist, "batch_isend_irecv", original)  # noqa: E731
+    received = []
+    try:
+        partner = r ^ 1 if (r ^ 1) < p else r
+        for dst, src in ((partner, partner), ((r + 1) % p, (r - 1) % p)):
+            received.append(transport.sendrecv(rank_tensor(r, 5), dst, src, f"order.{dst}"))
+            received.append(transport.sendrecv(rank_tensor(r, 5, salt=1), dst, src,
+                                               f"order.known.{dst}", recv_numel=5))
+    finally:
+        restore()
+    return {"batches": batches, "received": received}
+
+
 def expected_transport_ops(rank: int, size: int) -> dict:
     """What transport_ops must return on `rank` of `size`."""
     out = {}

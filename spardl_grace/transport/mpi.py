@@ -85,7 +85,7 @@ class MPITransport(Transport):
             n_out = np.array([out.size], dtype=np.int64)
             n_in = np.empty(1, dtype=np.int64)
             self._wait(
-                [self.comm.Isend(n_out, dst, tag=1), self.comm.Irecv(n_in, src, tag=1)], name
+                [self.comm.Irecv(n_in, src, tag=1), self.comm.Isend(n_out, dst, tag=1)], name
             )
             nbytes = int(n_in[0])
         else:
@@ -94,12 +94,13 @@ class MPITransport(Transport):
         # (MPI would otherwise fail it as truncated, or leave a shorter one's tail unwritten).
         received = np.empty(nbytes + 1, dtype=np.uint8)
         statuses = [self._MPI.Status(), self._MPI.Status()]
+        # Receive posted first, so the peer's message never waits as an unexpected one.
         self._wait(
-            [self.comm.Isend(out, dst, tag=2), self.comm.Irecv(received, src, tag=2)],
+            [self.comm.Irecv(received, src, tag=2), self.comm.Isend(out, dst, tag=2)],
             name,
             statuses,
         )
-        got = statuses[1].Get_count(self._MPI.BYTE)
+        got = statuses[0].Get_count(self._MPI.BYTE)
         if got > nbytes:
             raise TransportError(
                 f"rank {self.rank}: '{name}' expected {recv_numel} entries from "

@@ -92,13 +92,13 @@ class TorchDistTransport(Transport):
             return self._sendrecv_known(out, dst, src, name, recv_numel).to(tensor.device)
         n_out = torch.tensor([out.numel()], dtype=torch.int64, device=self._device)
         n_in = torch.empty(1, dtype=torch.int64, device=self._device)
-        self._p2p([(dist.isend, n_out, dst), (dist.irecv, n_in, src)], name)
+        self._p2p([(dist.irecv, n_in, src), (dist.isend, n_out, dst)], name)
         received = torch.empty(int(n_in.item()), dtype=tensor.dtype, device=self._device)
         ops: list[tuple[Callable[..., Any], torch.Tensor, int]] = []
-        if out.numel():
-            ops.append((dist.isend, out, dst))
         if received.numel():
             ops.append((dist.irecv, received, src))
+        if out.numel():
+            ops.append((dist.isend, out, dst))
         self._p2p(ops, name)
         return received.to(tensor.device)
 
@@ -115,13 +115,19 @@ class TorchDistTransport(Transport):
         buffer = torch.empty(
             8 + recv_numel * out.element_size(), dtype=torch.uint8, device=self._device
         )
-        self._p2p([(dist.isend, message, dst), (dist.irecv, buffer, src)], name)
+        self._p2p([(dist.irecv, buffer, src), (dist.isend, message, dst)], name)
         check_received(
             int(from_bytes(buffer[:8].cpu(), torch.int64)[0]), recv_numel, name, self.rank
         )
         return from_bytes(buffer[8:], out.dtype)
 
     def _p2p(self, ops, name: str) -> None:
+        """Post `ops` in the given order and wait for them. Callers post the receive first:
+        gloo sends a message only after the receiver's ready-to-receive notice arrives, and
+        that notice travels in the same byte stream as the data; a receive posted after a
+        send to the same peer queues its notice behind the whole outgoing message, and a
+        pairwise exchange then takes twice its transfer time (measured: 16 MB each way at
+        100 Mbit, 2.66 s send-first against 1.43 s receive-first)."""
         if not ops:
             return
         p2p = [dist.P2POp(fn, t, self._global(peer), group=self.group) for fn, t, peer in ops]
