@@ -84,8 +84,9 @@ def measure_link(transport: Transport, repeat: int = 30, nbytes: int = 16 << 20)
         return result
     peer = 1 - rank if rank < 2 else rank
     small, big = torch.zeros(1), torch.zeros(nbytes // 4)
-    # The large exchange is long enough for TCP to reach the shaped rate (4 MB read 49 Mbit/s
-    # on a 100 Mbit link that dense all-reduce drives at 90).
+    # The large exchange is long enough for TCP to reach the shaped rate: 16 MB each way read
+    # 95 Mbit/s on a 100 Mbit link and 968 on a 1 Gbit one (before the transport posted its
+    # receive first, gloo serialised the two directions and this read half the rate).
     for what, tensor, times in (("alpha", small, repeat), ("beta", big, 3)):
         samples = []
         for i in range(times):

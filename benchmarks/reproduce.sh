@@ -27,6 +27,9 @@ done
     --json "$R/train_step_vgg16.json"
 "$PY" -m benchmarks.comm --gradient vgg16 --workers 4 --density 0.01 --repeat 10 \
     --json "$R/comm_vgg16_loopback.json"
+for net in 100mbit 1gbit; do
+    "$PY" -m benchmarks.exchange_order --bandwidth "$net" --json "$R/exchange_order_$net.json"
+done
 for p in 2 3 4 6 8; do
     "$PY" -m benchmarks.comm --workers "$p" --numel 4000000 --density 0.01 --repeat 4 --warmup 1 \
         --bandwidth 1gbit --json "$R/comm_p${p}_1gbit.json"

@@ -301,6 +301,28 @@ def test_comm_benchmark_on_an_emulated_network(tmp_path):
     assert result["link"]["beta"] > 8 / 200e6 * 0.8
 
 
+def test_exchange_order_benchmark_times_both_orders_beside_the_wire(tmp_path):
+    require_netns()
+    from benchmarks import exchange_order
+    out = tmp_path / "order.json"
+    result = exchange_order.main(["--bandwidth", "200mbit", "--sizes", "1000000",
+                                  "--repeat", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    rows = result["exchanges"]
+    assert [r["order"] for r in rows] == ["send_first", "receive_first"]
+    for row in rows:
+        assert row["wire_s"] == 1_000_000 * 8 / 200e6
+        # 1 MB exceeds the shaper's bucket (256 KB at 200 Mbit): no order beats the link by 2x
+        assert row["median_s"] > row["wire_s"] * 0.5 and row["vs_wire"] == row["median_s"] / row["wire_s"]
+
+
+def test_exchange_order_benchmark_rejects_bad_sizes(capsys):
+    from benchmarks import exchange_order
+    with pytest.raises(SystemExit):
+        exchange_order.main(["--sizes", "0"])
+    assert "--sizes needs positive byte counts" in capsys.readouterr().err
+
+
 def test_rates_are_validated():
     assert netem.rate_bits_per_s("1gbit") == 1e9
     assert netem.rate_bits_per_s("2.5mbit") == 2.5e6
