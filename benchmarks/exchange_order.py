@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from benchmarks.comm import machine
 from benchmarks.launch import ROOT, launch_env
 from benchmarks.netem import EmulatedNetwork, rate_bits_per_s, run_all
@@ -33,9 +36,6 @@ ORDERS = ("send_first", "receive_first")
 def exchange_seconds(nbytes: int, order: str, repeat: int) -> list[float]:
     """This rank's seconds for each of `repeat` exchanges of `nbytes` with the other rank, the
     ops posted in `order`, each after a barrier."""
-    import torch
-    import torch.distributed as dist
-
     peer = 1 - dist.get_rank()
     out, into = torch.zeros(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     send, recv = dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)
@@ -53,9 +53,6 @@ def exchange_seconds(nbytes: int, order: str, repeat: int) -> list[float]:
 def worker(sizes: list[int], repeat: int, out: str) -> None:
     """One rank: every size in both orders, alternating; rank 0 writes the slower rank's
     median per case (an exchange is done when both ends are)."""
-    import torch
-    import torch.distributed as dist
-
     dist.init_process_group("gloo")
     rows = []
     for nbytes in sizes:
