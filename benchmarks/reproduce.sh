@@ -29,6 +29,8 @@ done
     --json "$R/comm_vgg16_loopback.json"
 for net in 100mbit 1gbit; do
     "$PY" -m benchmarks.exchange_order --bandwidth "$net" --json "$R/exchange_order_$net.json"
+    "$PY" -m benchmarks.exchange_order --op alltoall --workers 4 --sizes 10000,100000,1000000,4000000 \
+        --repeat 9 --bandwidth "$net" --json "$R/exchange_order_alltoall_$net.json"
 done
 for p in 2 3 4 6 8; do
     "$PY" -m benchmarks.comm --workers "$p" --numel 4000000 --density 0.01 --repeat 4 --warmup 1 \

@@ -113,6 +113,28 @@ def posting_order(transport) -> dict:
     return {"batches": batches, "received": received}
 
 
+def alltoall_posting_order(transport) -> dict:
+    """An alltoall of variable sizes (0 for some pairs) over torch.distributed, recording
+    what it hands to batch_isend_irecv. Returns {"batches": [[op kind, ...] per posting],
+    "received": [the part from each rank]}."""
+    import torch.distributed as dist
+    r, p = transport.rank, transport.size
+    batches: list[list[str]] = []
+    original = dist.batch_isend_irecv
+
+    def recording(ops):
+        batches.append(["recv" if op.op is dist.irecv else "send" for op in ops])
+        return original(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        parts = [rank_tensor(r, variable_size(r, j), salt=j) for j in range(p)]
+        received = transport.alltoall(parts, "order.alltoall")
+    finally:
+        dist.batch_isend_irecv = original
+    return {"batches": batches, "received": received}
+
+
 def expected_transport_ops(rank: int, size: int) -> dict:
     """What transport_ops must return on `rank` of `size`."""
     out = {}

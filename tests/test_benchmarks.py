@@ -316,11 +316,30 @@ def test_exchange_order_benchmark_times_both_orders_beside_the_wire(tmp_path):
         assert row["median_s"] > row["wire_s"] * 0.5 and row["vs_wire"] == row["median_s"] / row["wire_s"]
 
 
+def test_exchange_order_benchmark_times_gloo_alltoall_against_the_transport(tmp_path):
+    require_netns()
+    from benchmarks import exchange_order
+    result = exchange_order.main(["--op", "alltoall", "--workers", "3", "--bandwidth", "200mbit",
+                                  "--sizes", "400000", "--repeat", "2"])
+    assert (result["op"], result["workers"]) == ("alltoall", 3)
+    rows = result["exchanges"]
+    assert [r["order"] for r in rows] == ["gloo_all_to_all_single", "receive_first"]
+    for row in rows:
+        assert row["wire_s"] == 2 * 400_000 * 8 / 200e6  # every rank sends 2 parts
+        assert row["median_s"] > row["wire_s"] * 0.5
+
+
 def test_exchange_order_benchmark_rejects_bad_sizes(capsys):
     from benchmarks import exchange_order
     with pytest.raises(SystemExit):
         exchange_order.main(["--sizes", "0"])
     assert "--sizes needs positive byte counts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        exchange_order.main(["--op", "alltoall", "--workers", "2"])
+    assert "--op alltoall needs at least 3 workers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        exchange_order.main(["--op", "broadcast"])
+    assert "invalid choice: 'broadcast'" in capsys.readouterr().err
 
 
 def test_rates_are_validated():

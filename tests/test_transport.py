@@ -89,6 +89,21 @@ def test_real_sendrecv_posts_its_receive_before_its_send(launch, backend, size):
         assert kinds == ["recv", "send"] * 6, (rank, got["batches"])
 
 
+@pytest.mark.parametrize("size", [3, 4, 5])
+def test_gloo_alltoall_posts_every_receive_before_any_send(launch, size):
+    """gloo's own all_to_all_single posts each peer's send before its receive, which (as for
+    sendrecv above) runs the two directions between a pair of ranks one after the other. The
+    transport sends the data point to point instead, all receives first, and posts nothing
+    for an empty part."""
+    for rank, got in enumerate(launch("gloo", size, "alltoall_posting_order")):
+        want = [scenarios.rank_tensor(j, scenarios.variable_size(j, rank), salt=rank)
+                for j in range(size)]
+        assert_same(got["received"], want, f"rank {rank}")
+        receives = sum(scenarios.variable_size(j, rank) > 0 for j in range(size) if j != rank)
+        sends = sum(scenarios.variable_size(rank, j) > 0 for j in range(size) if j != rank)
+        assert got["batches"] == [["recv"] * receives + ["send"] * sends], (rank, got["batches"])
+
+
 def test_counting_transport_counts_round_trips():
     def fn(t):
         counting = CountingTransport(t)

@@ -155,6 +155,11 @@ class TorchDistTransport(Transport):
         return [p[:s].to(tensor.device) for p, s in zip(parts, sizes)]
 
     def alltoall(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """Sizes travel first in one all_to_all_single; the data then goes point to point,
+        every receive posted before any send. Gloo's own all_to_all_single posts each peer's
+        send before its receive, and (see _p2p) a receive posted after a send to the same
+        peer waits behind that whole message, so every pair of ranks exchanged its two
+        directions one after the other."""
         self._check_alltoall(tensors)
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
@@ -171,20 +176,17 @@ class TorchDistTransport(Transport):
             ],
             name,
         )
-        send = torch.cat([self._on_comm(t) for t in tensors])
-        in_splits = recv_sizes.tolist()
-        out_splits = send_sizes.tolist()
-        received = torch.empty(sum(in_splits), dtype=send.dtype, device=self._device)
-        if send.numel() or received.numel():
-            self._complete(
-                lambda: [
-                    dist.all_to_all_single(
-                        received, send, in_splits, out_splits, group=self.group, async_op=True
-                    )
-                ],
-                name,
-            )
-        return [p.to(tensors[0].device) for p in torch.split(received, in_splits)]
+        dtype = tensors[0].dtype
+        received = [
+            torch.empty(int(n), dtype=dtype, device=self._device) for n in recv_sizes.tolist()
+        ]
+        received[self.rank] = self._on_comm(tensors[self.rank]).clone()
+        # Each rank starts its sends with its next neighbour, so no rank is everyone's first.
+        peers = [(self.rank + i) % self.size for i in range(1, self.size)]
+        receives = [(dist.irecv, received[j], j) for j in peers if received[j].numel()]
+        sends = [(dist.isend, self._on_comm(tensors[j]), j) for j in peers if tensors[j].numel()]
+        self._p2p(receives + sends, name)
+        return [p.to(tensors[0].device) for p in received]
 
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         out = self._on_comm(tensor).clone()
