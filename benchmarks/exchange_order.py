@@ -42,17 +42,20 @@ ORDERS = {"sendrecv": ("send_first", "receive_first"),
           "alltoall": ("gloo_all_to_all_single", "receive_first")}
 
 
+def posted(ops: list[dist.P2POp]) -> Callable[[], None]:
+    """Post `ops` in their order with batch_isend_irecv and wait for all of them."""
+    def run() -> None:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return run
+
+
 def exchange(nbytes: int, order: str) -> Callable[[], None]:
     """One exchange of `nbytes` with the other rank (of 2), the ops posted in `order`."""
     peer = 1 - dist.get_rank()
     out, into = torch.zeros(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     send, recv = dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)
-    ops = [send, recv] if order == "send_first" else [recv, send]
-
-    def run() -> None:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return run
+    return posted([send, recv] if order == "send_first" else [recv, send])
 
 
 def alltoall(nbytes: int, order: str) -> Callable[[], None]:
@@ -61,18 +64,14 @@ def alltoall(nbytes: int, order: str) -> Callable[[], None]:
     (the transport first exchanges the sizes, whichever the order)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     if order == "gloo_all_to_all_single":
-        send, into = torch.zeros(size * nbytes, dtype=torch.uint8), torch.empty(
-            size * nbytes, dtype=torch.uint8)
+        send = torch.zeros(size * nbytes, dtype=torch.uint8)
+        into = torch.empty(size * nbytes, dtype=torch.uint8)
         return lambda: dist.all_to_all_single(into, send)
     peers = [(rank + i) % size for i in range(1, size)]
     out = torch.zeros(nbytes, dtype=torch.uint8)
     ops = [dist.P2POp(dist.irecv, torch.empty(nbytes, dtype=torch.uint8), j) for j in peers]
     ops += [dist.P2POp(dist.isend, out, j) for j in peers]
-
-    def run() -> None:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return run
+    return posted(ops)
 
 
 def op_seconds(op: str, nbytes: int, order: str, repeat: int) -> list[float]:
