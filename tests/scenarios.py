@@ -3,6 +3,8 @@
 Inputs depend only on (rank, size), so the test can recompute what every rank sent."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from deepreduce_compat import deepreduce_from_params
@@ -67,59 +69,11 @@ def known_size_sendrecv(transport) -> dict:
     return out
 
 
-def posting_order(transport) -> dict:
-    """The order in which the transport posts the two halves of each sendrecv (a pairwise
-    exchange, then a ring shift; sizes unknown, then known), recorded where it hands them to
-    the backend: torch.distributed's batch_isend_irecv, or MPI's Isend/Irecv. Returns
-    {"batches": [[op kind, ...] per posting], "received": [what each sendrecv gave]}."""
-    r, p = transport.rank, transport.size
-    batches: list[list[str]] = []
-    if hasattr(transport, "comm"):  # MPITransport
-        comm = transport.comm
-
-        class Recording:
-            def __getattr__(self, name):
-                return getattr(comm, name)
-
-            def Isend(self, *args, **kwargs):
-                batches.append(["send"])
-                return comm.Isend(*args, **kwargs)
-
-            def Irecv(self, *args, **kwargs):
-                batches.append(["recv"])
-                return comm.Irecv(*args, **kwargs)
-
-        transport.comm = Recording()
-        restore = lambda: setattr(transport, "comm", comm)  # noqa: E731
-    else:
-        import torch.distributed as dist
-        original = dist.batch_isend_irecv
-
-        def recording(ops):
-            batches.append(["recv" if op.op is dist.irecv else "send" for op in ops])
-            return original(ops)
-
-        dist.batch_isend_irecv = recording
-        restore = lambda: setattr(dist, "batch_isend_irecv", original)  # noqa: E731
-    received = []
-    try:
-        partner = r ^ 1 if (r ^ 1) < p else r
-        for dst, src in ((partner, partner), ((r + 1) % p, (r - 1) % p)):
-            received.append(transport.sendrecv(rank_tensor(r, 5), dst, src, f"order.{dst}"))
-            received.append(transport.sendrecv(rank_tensor(r, 5, salt=1), dst, src,
-                                               f"order.known.{dst}", recv_numel=5))
-    finally:
-        restore()
-    return {"batches": batches, "received": received}
-
-
-def alltoall_posting_order(transport) -> dict:
-    """An alltoall of variable sizes (0 for some pairs) over torch.distributed, recording
-    what it hands to batch_isend_irecv. Returns {"batches": [[op kind, ...] per posting],
-    "received": [the part from each rank]}."""
+@contextmanager
+def recorded_p2p_batches(batches: list[list[str]]):
+    """Within the block, every torch.distributed.batch_isend_irecv call appends its ops'
+    kinds ("recv"/"send", in posting order) to `batches`."""
     import torch.distributed as dist
-    r, p = transport.rank, transport.size
-    batches: list[list[str]] = []
     original = dist.batch_isend_irecv
 
     def recording(ops):
@@ -128,10 +82,63 @@ def alltoall_posting_order(transport) -> dict:
 
     dist.batch_isend_irecv = recording
     try:
-        parts = [rank_tensor(r, variable_size(r, j), salt=j) for j in range(p)]
-        received = transport.alltoall(parts, "order.alltoall")
+        yield
     finally:
         dist.batch_isend_irecv = original
+
+
+@contextmanager
+def recorded_mpi_posts(transport, batches: list[list[str]]):
+    """Within the block, every Isend/Irecv of the MPITransport appends ["send"]/["recv"]."""
+    comm = transport.comm
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(comm, name)
+
+        def Isend(self, *args, **kwargs):
+            batches.append(["send"])
+            return comm.Isend(*args, **kwargs)
+
+        def Irecv(self, *args, **kwargs):
+            batches.append(["recv"])
+            return comm.Irecv(*args, **kwargs)
+
+    transport.comm = Recording()
+    try:
+        yield
+    finally:
+        transport.comm = comm
+
+
+def posting_order(transport) -> dict:
+    """The order in which the transport posts the two halves of each sendrecv (a pairwise
+    exchange, then a ring shift; sizes unknown, then known), recorded where it hands them to
+    the backend: torch.distributed's batch_isend_irecv, or MPI's Isend/Irecv. Returns
+    {"batches": [[op kind, ...] per posting], "received": [what each sendrecv gave]}."""
+    r, p = transport.rank, transport.size
+    batches: list[list[str]] = []
+    recording = (recorded_mpi_posts(transport, batches) if hasattr(transport, "comm")
+                 else recorded_p2p_batches(batches))
+    received = []
+    with recording:
+        partner = r ^ 1 if (r ^ 1) < p else r
+        for dst, src in ((partner, partner), ((r + 1) % p, (r - 1) % p)):
+            received.append(transport.sendrecv(rank_tensor(r, 5), dst, src, f"order.{dst}"))
+            received.append(transport.sendrecv(rank_tensor(r, 5, salt=1), dst, src,
+                                               f"order.known.{dst}", recv_numel=5))
+    return {"batches": batches, "received": received}
+
+
+def alltoall_posting_order(transport) -> dict:
+    """An alltoall of variable sizes (0 for some pairs) over torch.distributed, recording
+    what it hands to batch_isend_irecv. Returns {"batches": [[op kind, ...] per posting],
+    "received": [the part from each rank]}."""
+    r, p = transport.rank, transport.size
+    batches: list[list[str]] = []
+    with recorded_p2p_batches(batches):
+        parts = [rank_tensor(r, variable_size(r, j), salt=j) for j in range(p)]
+        received = transport.alltoall(parts, "order.alltoall")
     return {"batches": batches, "received": received}
 
 
