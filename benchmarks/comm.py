@@ -186,6 +186,8 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         if all(replays):
             times["replay_s"] = spread([min(rank[i] for rank in replays)
                                         for i in range(len(replays[0]))])
+            # Rank 0's own: the rank whose trace messages_rank0 holds and the simulator models.
+            times["replay_rank0_s"] = spread(replays[0])
         out[name] = {**times, "bytes_sent_per_rank": statistics.fmean(mean_bytes),
                      "bytes_sent_max_rank": max(mean_bytes), "formula_bytes": formula,
                      "bytes_vs_formula": measured / formula if formula else None,

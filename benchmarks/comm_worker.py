@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.costmodel import KINDS, probe_op
+from benchmarks.costmodel import KINDS, PROBE_CHAIN, probe_op
 from deepreduce_compat import deepreduce_from_params
 from spardl_grace import CountingTransport
 from spardl_grace.launch import join
@@ -104,9 +104,6 @@ def measure_link(transport: Transport, repeat: int = 30, nbytes: int = 16 << 20)
 
 
 PROBE_BYTES = (256, 1 << 16, 1 << 20, 16 << 20)  # from a histogram to a dense VGG-16 layer
-
-
-PROBE_CHAIN = 4  # collectives per probe, back to back
 
 
 def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> int:

@@ -26,9 +26,11 @@ A measured network can carry its own alpha and beta per op kind (`Network.per_ki
 `fit_kind` to probes shaped like that op (`probe_op`; benchmarks.comm times them at the run's
 P): one pair for every kind cannot describe a tbf-shaped link, on which a ring all-reduce
 streams at about twice the rate of a pairwise exchange. A token-bucket shaped link (tc tbf, as
-benchmarks.netem emulates, and the egress shaping of many cloud VMs) also has a `burst`: the
-bytes an op moves through a link beyond `burst` pay beta, the first `burst` only alpha (an
-idle bucket is full; ops here are separated by computation that refills it).
+benchmarks.netem emulates, and the egress shaping of many cloud VMs) also has a `burst`, its
+bucket: bytes in the bucket cross at line rate and cost nothing beyond alpha, the others pay
+beta. The bucket is full before a rank's first op; each op empties it by the bytes it moves,
+and it refills at the link's rate (1/beta) only while an op waits out its latency, so a
+chain of small messages, each within the bucket alone, pays beta for most of its bytes.
 """
 from __future__ import annotations
 
@@ -70,8 +72,9 @@ class Network:
     alpha_intra and beta_intra. Collectives spanning nodes use the inter-node parameters.
     per_kind: (alpha, beta) of the op kinds (KINDS) that differ from the link's, between
     nodes. allreduce: 'best' (the cheaper of ring and recursive doubling, as MPI chooses) or
-    'ring' (as gloo runs it). burst: bytes of each op between nodes that cross at line rate
-    (a token-bucket shaper's bucket; 0 for a plain link)."""
+    'ring' (as gloo runs it). burst: the bucket of a token-bucket shaper on links between
+    nodes, in bytes, refilled at 1/beta bytes a second (the module docstring); 0 for a
+    plain link."""
     alpha: float
     beta: float
     ranks_per_node: int = 1
@@ -212,12 +215,16 @@ def _allreduce_tensor_bytes(volume: int, size: int) -> int:
 
 
 # --------------------------------------------------------------------------- prediction
-def op_seconds(op: Op, rank: int, size: int, net: Network) -> float:
-    """The time of one op of `rank` under `net` (see the module docstring)."""
-    spans_nodes = size > net.ranks_per_node
-    alpha, beta = net.params(op.kind) if spans_nodes else (net.alpha_intra, net.beta_intra)
-    burst = net.burst if spans_nodes else 0.0
-    rounds = math.ceil(math.log2(size)) if size > 1 else 0
+def op_seconds(op: Op, rank: int, size: int, net: Network, tokens: float | None = None) -> float:
+    """The time of one op of `rank` under `net` (see the module docstring), with `tokens` bytes
+    in the shaper's bucket as it starts (a full one, net.burst, when not given)."""
+    return _op_cost(op, rank, size, net, net.burst if tokens is None else tokens)[0]
+
+
+def _op_cost(op: Op, rank: int, size: int, net: Network, tokens: float) -> tuple[float, float]:
+    """(seconds, bytes left in the bucket after it) of one op that starts with `tokens` bytes
+    in the shaper's bucket. The bucket refills while the op waits out its latency; then the
+    bytes in it cross at line rate and the rest pay beta."""
     if op.kind in ("p2p", "alltoall"):
         classes: dict[tuple[float, float, float], list] = {}
         for peer, sent, received in op.parts:
@@ -227,27 +234,63 @@ def op_seconds(op: Op, rank: int, size: int, net: Network) -> float:
             entry[0] += sent
             entry[1] += received
             entry[2].add(peer)
-        return max((a * (1 if op.kind == "p2p" else len(peers)) + b * max(0.0, max(s, r) - c)
-                    for (a, b, c), (s, r, peers) in classes.items()), default=0.0)
+        costs = [_shaped(a * (1 if op.kind == "p2p" else len(peers)), b, max(s, r), burst, tokens,
+                         net.beta)
+                 for (a, b, burst), (s, r, peers) in classes.items()]
+        return max(costs, default=(0.0, tokens))
+    spans_nodes = size > net.ranks_per_node
+    alpha, beta = net.params(op.kind) if spans_nodes else (net.alpha_intra, net.beta_intra)
+    burst = net.burst if spans_nodes else 0.0
+    rounds = math.ceil(math.log2(size)) if size > 1 else 0
     if op.kind == "allgather":
-        return rounds * alpha + beta * max(0.0, op.received - burst)
-    if op.kind == "allreduce":
-        ring = 2 * (size - 1) * alpha + beta * max(0.0, 2 * op.size * (size - 1) / size - burst)
-        if net.allreduce == "ring":
-            return ring
-        doubling = rounds * alpha + beta * max(0.0, rounds * op.size - burst)
-        return min(ring, doubling)
-    if op.kind == "broadcast":
-        return rounds * alpha + beta * max(0.0, op.size - burst)
-    raise ValueError(f"unknown op kind {op.kind!r}")
+        shapes = [(rounds * alpha, op.received)]
+    elif op.kind == "allreduce":
+        shapes = [(2 * (size - 1) * alpha, 2 * op.size * (size - 1) / size)]
+        if net.allreduce != "ring":
+            shapes.append((rounds * alpha, rounds * op.size))
+    elif op.kind == "broadcast":
+        shapes = [(rounds * alpha, op.size)]
+    else:
+        raise ValueError(f"unknown op kind {op.kind!r}")
+    return min(_shaped(latency, beta, volume, burst, tokens, net.beta) for latency, volume in shapes)
+
+
+def _shaped(latency: float, beta: float, volume: float, burst: float, tokens: float,
+            line_beta: float) -> tuple[float, float]:
+    """(seconds, bytes left in the bucket) of `volume` bytes after `latency` on a link whose
+    bucket of `burst` bytes holds `tokens` and refills at 1/line_beta bytes a second (at once
+    when line_beta is 0). A link without a bucket (burst 0) leaves `tokens` as they were."""
+    if not burst:
+        return latency + beta * volume, tokens
+    free = min(burst, tokens + latency / line_beta) if line_beta > 0 else burst
+    return latency + beta * max(0.0, volume - free), max(0.0, free - volume)
 
 
 def predict_seconds(ops: Sequence[Op], rank: int, size: int, net: Network) -> float:
-    """Communication seconds of one rank's ops, one after the other."""
-    return sum(op.weight * op_seconds(op, rank, size, net) for op in ops)
+    """Communication seconds of one rank's ops, one after the other. The shaper's bucket
+    (net.burst) is full before the first op; each op draws the bytes it moves from it, and it
+    refills only while an op waits out its latency, as in a step's communication replayed
+    with nothing between the ops."""
+    seconds, tokens = 0.0, net.burst
+    for op in ops:
+        took, left = _op_cost(op, rank, size, net, tokens)
+        seconds += op.weight * took
+        tokens += op.weight * (left - tokens)  # an op run every 1/weight steps, on average
+    return seconds
 
 
 # --------------------------------------------------------------------------- probes
+PROBE_CHAIN = 4  # collectives per probe, back to back
+FIT_ROUNDS = 100  # at most; each fit takes the bucket's refill from the last one's alpha
+
+
+def probe_chain(kind: str, size: int) -> int:
+    """How many ops of `kind` a probe runs back to back at P = size (benchmarks.comm times
+    the chain and divides): P - 1 exchanges, one with each distance, or PROBE_CHAIN
+    collectives."""
+    return size - 1 if kind == "p2p" else PROBE_CHAIN
+
+
 def probe_op(kind: str, nbytes: int, size: int, rank: int = 0) -> Op:
     """The op that benchmarks.comm times to fit `kind`'s alpha and beta at P = size, with
     `nbytes` in the model's measure of that kind: one exchange of nbytes each way with two
@@ -273,15 +316,39 @@ def probe_op(kind: str, nbytes: int, size: int, rank: int = 0) -> Op:
     raise ValueError(f"unknown op kind {kind!r}; valid choices: {', '.join(KINDS)}")
 
 
-def fit_kind(samples: Sequence[tuple[Op, int, float]], burst: float = 0.0) -> tuple[float, float]:
-    """(alpha, beta) of one op kind on a flat network with this `burst`, from (op, P, measured
-    seconds) probes: the non-negative pair that minimises the squared relative error of the
-    prediction (small and large probes weigh alike; all-reduces as rings, as gloo runs them)."""
+def fit_kind(samples: Sequence[tuple[Op, int, float]], burst: float = 0.0,
+             line_beta: float = 0.0) -> tuple[float, float]:
+    """(alpha, beta) of one op kind on a flat network with this `burst` (refilled at
+    1/line_beta bytes per second while the link waits), from (op, P, measured seconds) probes,
+    each a chain of probe_chain ops: the non-negative pair that minimises the squared relative
+    error of the prediction (small and large probes weigh alike; all-reduces as rings, as gloo
+    runs them). The refill depends on alpha, so the fit is repeated with the last alpha until
+    alpha settles."""
+    alpha, beta = _fit_rows(_probe_rows(samples, burst, line_beta, 0.0))
+    for _ in range(FIT_ROUNDS):
+        last = alpha
+        alpha, beta = _fit_rows(_probe_rows(samples, burst, line_beta, alpha))
+        if abs(alpha - last) <= 1e-9 * alpha:
+            break
+    return alpha, beta
+
+
+def _probe_rows(samples: Sequence[tuple[Op, int, float]], burst: float, line_beta: float,
+                alpha: float) -> list[tuple[float, float]]:
+    """Per probe, its seconds' multiples of alpha and of beta (the coefficients fit_kind's
+    least squares solves for), with the bucket refilled during latencies of `alpha`."""
     rows = []
     for op, size, seconds in samples:
-        latency = op_seconds(op, 0, size, Network(1.0, 0.0, allreduce="ring", burst=burst))
-        volume = op_seconds(op, 0, size, Network(0.0, 1.0, allreduce="ring", burst=burst))
-        rows.append((latency / seconds, volume / seconds))
+        chain = [op] * probe_chain(op.kind, size)
+        units = predict_seconds(chain, 0, size, Network(1.0, 0.0, allreduce="ring")) / len(chain)
+        net = Network(alpha, line_beta, per_kind={op.kind: (alpha, 1.0)}, allreduce="ring",
+                      burst=burst)
+        beyond = predict_seconds(chain, 0, size, net) / len(chain) - units * alpha
+        rows.append((units / seconds, beyond / seconds))
+    return rows
+
+
+def _fit_rows(rows: list[tuple[float, float]]) -> tuple[float, float]:
     sxx = sum(x * x for x, _ in rows)
     syy = sum(y * y for _, y in rows)
     sxy = sum(x * y for x, y in rows)

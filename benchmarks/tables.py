@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -41,20 +42,23 @@ def simulation_tables(sim: dict[str, Any]) -> str:
     rows = sim["validation"]
     lines = ["Validation (communication seconds, median over steps; replayed: the step's messages "
              "sent again without computation):", "",
-             "| P | algorithm | measured | replayed | from trace | from schedule |",
-             "|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["algorithm"], r["workers"])):
+             "| network | P | algorithm | measured | replayed | from trace | from schedule |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["bandwidth"] or "", r["algorithm"], r["workers"])):
         replayed = f"{r['measured_replay_s']:.4f}" if r.get("measured_replay_s") else "-"
-        lines.append(f"| {r['workers']} | {r['algorithm']} | {r['measured_comm_s']:.4f} | "
+        lines.append(f"| {r['bandwidth'] or 'loopback'} | {r['workers']} | {r['algorithm']} | "
+                     f"{r['measured_comm_s']:.4f} | "
                      f"{replayed} | {r['trace_predicted_s']:.4f} | {r['schedule_predicted_s']:.4f} |")
-    for key, what in (("trace_error", "against the measured communication"),
-                      ("replay_error", "against the replay")):
+    rates = dict.fromkeys(r["bandwidth"] for r in rows)
+    for (key, what), rate in itertools.product((("trace_error", "against the measured communication"),
+                                                ("replay_error", "against the replay")), rates):
         by_alg: dict[str, list[float]] = {}
         for r in rows:
-            if r.get(key) is not None:
+            if r.get(key) is not None and r["bandwidth"] == rate:
                 by_alg.setdefault(r["algorithm"], []).append(abs(r[key]))
         if by_alg:
-            lines += ["", f"Median |error| of the trace prediction {what}: " + ", ".join(
+            where = f" at {rate}" if len(rates) > 1 else ""
+            lines += ["", f"Median |error| of the trace prediction {what}{where}: " + ", ".join(
                 f"{a} {statistics.median(v):.0%}" for a, v in sorted(by_alg.items())) + "; all "
                 f"{statistics.median(e for v in by_alg.values() for e in v):.0%}."]
     lines.append("")

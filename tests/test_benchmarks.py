@@ -106,6 +106,27 @@ def test_hierarchical_network_charges_intra_node_messages_less():
     assert costmodel.op_seconds(far, 0, 8, net) == pytest.approx(1 + 1)
 
 
+def test_a_shaped_links_bucket_drains_over_a_chain_and_refills_during_latency():
+    """tc tbf's bucket: full before the first op, emptied by the bytes each op moves, refilled
+    at the link's rate only while an op waits out its latency. Three 6 KB exchanges with a
+    10 KB bucket and 1 ms of latency (1 KB of refill at 1 MB/s): the first crosses in the
+    bucket, the second pays for 1 KB, the third for 5 KB."""
+    net = Network(alpha=1e-3, beta=1e-6, burst=10_000)
+    op = Op("p2p", 6000, 6000, ((1, 6000, 0), (1, 0, 6000)))
+    assert costmodel.op_seconds(op, 0, 2, net) == pytest.approx(1e-3)
+    assert costmodel.op_seconds(op, 0, 2, net, tokens=0.0) == pytest.approx(1e-3 + 5e-3)
+    assert costmodel.predict_seconds([op] * 3, 0, 2, net) == pytest.approx(1e-3 + 2e-3 + 6e-3)
+    plain = Network(alpha=1e-3, beta=1e-6)
+    assert costmodel.predict_seconds([op] * 3, 0, 2, plain) == pytest.approx(3 * 7e-3)
+    # Ops inside a node leave the bucket of the link between nodes as it was.
+    nodes = Network(alpha=1e-3, beta=1e-6, burst=10_000, ranks_per_node=2, alpha_intra=1e-4,
+                    beta_intra=1e-9)
+    near = Op("p2p", 6000, 6000, ((1, 6000, 0), (1, 0, 6000)))
+    far = Op("p2p", 6000, 6000, ((2, 6000, 0), (2, 0, 6000)))
+    assert costmodel.predict_seconds([far, near, near, far], 0, 4, nodes) == pytest.approx(
+        costmodel.predict_seconds([far, far], 0, 4, nodes) + 2 * (1e-4 + 6e-6))
+
+
 @settings(max_examples=40, deadline=None)
 @given(size=st.integers(2, 1024), density=st.sampled_from([0.001, 0.01, 0.1]))
 def test_spardl_schedule_has_the_papers_message_count_and_words(size, density):
@@ -136,6 +157,24 @@ def test_fit_kind_recovers_the_alpha_and_beta_behind_probes(kind, size, alpha, b
     other = costmodel.probe_op(kind, 3 << 20, size)
     assert costmodel.op_seconds(other, 0, size, Network(*fitted, allreduce="ring")) == \
         pytest.approx(costmodel.op_seconds(other, 0, size, net), rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(costmodel.KINDS), size=st.integers(2, 64),
+       alpha=st.floats(1e-6, 1e-2), beta=st.floats(1e-11, 1e-7), line=st.floats(0.5, 2.0),
+       burst=st.sampled_from([64 * 1024, 125_000, 1_250_000]))
+def test_fit_kind_recovers_alpha_and_beta_through_a_shapers_bucket(kind, size, alpha, beta,
+                                                                  line, burst):
+    """Probes as benchmarks.comm times them (a chain of probe_chain ops, back to back, on a
+    link with a bucket that refills during latencies) give alpha and beta back."""
+    net = Network(alpha, beta * line, per_kind={kind: (alpha, beta)}, allreduce="ring",
+                  burst=burst)
+    samples = []
+    for nbytes in (256, 1 << 16, 1 << 20, 16 << 20):
+        op = costmodel.probe_op(kind, nbytes, size)
+        chain = [op] * costmodel.probe_chain(kind, size)
+        samples.append((op, size, costmodel.predict_seconds(chain, 0, size, net) / len(chain)))
+    assert costmodel.fit_kind(samples, burst, beta * line) == pytest.approx((alpha, beta), rel=1e-6)
 
 
 def test_fit_kind_keeps_both_parameters_non_negative():
@@ -361,6 +400,9 @@ def test_simulator_validates_predicts_to_1024_and_plots(tmp_path):
                                                     str(tmp_path / "simulation.json")])
     assert len(sim["validation"]) == 2 * len(costmodel.ALGORITHMS)
     assert all(r["single_pair_error"] is not None for r in sim["validation"])
+    for row in sim["validation"]:  # against the replay of the rank whose trace is modelled
+        alg = json.loads((tmp_path / row["file"]).read_text())["algorithms"][row["algorithm"]]
+        assert row["measured_replay_s"] == alg["replay_rank0_s"]["median"] > 0
     fitted = sim["networks"]["measured link"]["per_kind"]
     assert set(fitted) == set(costmodel.KINDS) and all(a >= 0 and b >= 0 for a, b in fitted.values())
     assert sim["sizes"][-1] == 1024
