@@ -84,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--teams", type=int, default=1, help="SparDL's d")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--replays", type=int, default=None,
+                   help="replays of each algorithm's trace (replay_s; default: --repeat)")
+    p.add_argument("--probe-repeat", type=int, default=3,
+                   help="runs of each probe before the algorithms; its median is kept")
     p.add_argument("--backend", default="gloo", choices=BACKENDS)
     p.add_argument("--bandwidth", default=None, help="emulate links of this rate, e.g. 100mbit, 1gbit")
     p.add_argument("--codec", default=None,
@@ -125,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--codec is not JSON: {exc}")
     if args.repeat < 1 or args.warmup < 0:
         p.error("--repeat must be >= 1 and --warmup >= 0")
+    args.replays = args.repeat if args.replays is None else args.replays
+    if args.replays < 1 or args.probe_repeat < 1:
+        p.error("--replays and --probe-repeat must be >= 1")
     return args
 
 
@@ -208,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "algorithms": args.algorithms, "workers": args.workers, "numel": args.numel,
             "gradient": args.gradient, "batch_size": args.batch_size, "density": args.density,
             "teams": args.teams, "repeat": args.repeat, "warmup": args.warmup,
-            "codec": args.codec, "device": args.device, "timeout": args.timeout, "out": tmp}))
+            "replays": args.replays, "probe_repeat": args.probe_repeat, "codec": args.codec, "device": args.device, "timeout": args.timeout, "out": tmp}))
         if args.bandwidth:
             with EmulatedNetwork(args.workers, args.bandwidth) as net:
                 launch(args, config, net)

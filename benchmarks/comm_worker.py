@@ -216,7 +216,7 @@ def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
                    transport: Transport) -> dict[str, Any]:
     """Warm-up steps, then `repeat` timed steps; per step this rank's seconds and bytes, the
     seconds of one copy of the gradient taken just before it (`copy_s`), and the last step's
-    message trace and statistics; then that trace replayed `repeat` times (`replay_s`,
+    message trace and statistics; then that trace replayed `replays` times (`replay_s`,
     communication without the computation between messages)."""
     counting = CountingTransport(transport)
     grc = deepreduce_from_params(algorithm_params(name, cfg["density"], cfg["teams"],
@@ -240,7 +240,7 @@ def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
     trace = list(counting.messages)
     messages = [[m.op, m.name, m.peer, m.bytes_sent, m.bytes_received] for m in trace]
     return {"steps": steps, "messages": messages,
-            "replay_s": time_replay(transport, trace, cfg["repeat"])}
+            "replay_s": time_replay(transport, trace, cfg["replays"])}
 
 
 class _Shapes(torch.nn.Module):
@@ -327,7 +327,7 @@ def main(config_path: str) -> None:
     if transport.size != cfg["workers"]:
         raise SystemExit(f"launched {transport.size} ranks, the config says {cfg['workers']}")
     link = measure_link(transport)
-    probes = probe_ops(transport)
+    probes = probe_ops(transport, repeat=cfg["probe_repeat"])
     grads = gradients(cfg, rank, cfg["warmup"] + cfg["repeat"])
     out = {"rank": rank, "numel": grads[0].numel(), "link": link, "probes": probes,
            "algorithms": {}}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces every benchmark table and plot of the docs (docs/results/) into
-# benchmarks/results/ (about 75 minutes on 2 CPU cores; network emulation needs root). Set up
+# benchmarks/results/ (about 80 minutes on 2 CPU cores; network emulation needs root). Set up
 # on a fresh machine first by scripts/setup_env.sh, which this calls.
 #   1. VGG-16's real gradient (14.7M entries), 4 workers, density 0.01, every algorithm, on an
 #      emulated 1 Gbit and 100 Mbit network (with PyTorch's DDP, fp16 and PowerSGD hooks in the
@@ -35,9 +35,9 @@ done
 mkdir -p "$R/psweep_100mbit"
 for p in 2 3 4 6 8; do
     "$PY" -m benchmarks.comm --workers "$p" --numel 4000000 --density 0.01 --repeat 4 --warmup 1 \
-        --bandwidth 1gbit --json "$R/comm_p${p}_1gbit.json"
+        --replays 16 --probe-repeat 9 --bandwidth 1gbit --json "$R/comm_p${p}_1gbit.json"
     "$PY" -m benchmarks.comm --workers "$p" --numel 4000000 --density 0.01 --repeat 4 --warmup 1 \
-        --bandwidth 100mbit --json "$R/psweep_100mbit/comm_p${p}_100mbit.json"
+        --replays 16 --bandwidth 100mbit --json "$R/psweep_100mbit/comm_p${p}_100mbit.json"
 done
 for d in 0.001 0.01 0.1; do
     "$PY" -m benchmarks.comm --workers 4 --numel 4000000 --density "$d" --repeat 4 --warmup 1 \

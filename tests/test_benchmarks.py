@@ -301,6 +301,7 @@ def test_comm_benchmark_with_a_codec_sends_fewer_bytes(tmp_path):
     (["--algorithms", "torch_ddp", "--gradient", "vgg16", "--backend", "mpi"], "--backend gloo"),
     (["--algorithms", "torch_powersgd4", "--gradient", "vgg16"], "--warmup >= 3"),
     (["--algorithms", "horovod_fp16"], "need --backend horovod"),
+    (["--replays", "0"], "--replays and --probe-repeat must be >= 1"),
 ])
 def test_comm_benchmark_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -394,7 +395,8 @@ def test_simulator_validates_predicts_to_1024_and_plots(tmp_path):
     for size in (2, 3):
         out = tmp_path / f"comm_p{size}_loop.json"
         comm.main(["--workers", str(size), "--numel", "30000", "--repeat", "2", "--warmup", "1",
-                   "--json", str(out)])
+                   "--replays", "3", "--probe-repeat", "1", "--json", str(out)])
+        assert json.loads(out.read_text())["config"]["replays"] == 3
         files.append(out)
     sim = simulate.main([str(f) for f in files] + ["--numel", "1000000", "--json",
                                                     str(tmp_path / "simulation.json")])
