@@ -237,7 +237,8 @@ def _op_cost(op: Op, rank: int, size: int, net: Network, tokens: float) -> tuple
         costs = [_shaped(a * (1 if op.kind == "p2p" else len(peers)), b, max(s, r), burst, tokens,
                          net.beta)
                  for (a, b, burst), (s, r, peers) in classes.items()]
-        return max(costs, default=(0.0, tokens))
+        # The slowest class of links sets the time; the one between nodes drains the bucket.
+        return (max(c[0] for c in costs), min(c[1] for c in costs)) if costs else (0.0, tokens)
     spans_nodes = size > net.ranks_per_node
     alpha, beta = net.params(op.kind) if spans_nodes else (net.alpha_intra, net.beta_intra)
     burst = net.burst if spans_nodes else 0.0

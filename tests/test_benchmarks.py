@@ -125,6 +125,10 @@ def test_a_shaped_links_bucket_drains_over_a_chain_and_refills_during_latency():
     far = Op("p2p", 6000, 6000, ((2, 6000, 0), (2, 0, 6000)))
     assert costmodel.predict_seconds([far, near, near, far], 0, 4, nodes) == pytest.approx(
         costmodel.predict_seconds([far, far], 0, 4, nodes) + 2 * (1e-4 + 6e-6))
+    # An all-to-all whose slowest part stays inside the node still drains the bucket.
+    mixed = Op("alltoall", 10**7 + 6000, 10**7 + 6000, ((1, 10**7, 10**7), (2, 6000, 6000)))
+    assert costmodel.predict_seconds([mixed, far], 0, 4, nodes) == pytest.approx(
+        (1e-4 + 1e-2) + (1e-3 + 1e-3))
 
 
 @settings(max_examples=40, deadline=None)
