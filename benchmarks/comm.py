@@ -215,7 +215,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "algorithms": args.algorithms, "workers": args.workers, "numel": args.numel,
             "gradient": args.gradient, "batch_size": args.batch_size, "density": args.density,
             "teams": args.teams, "repeat": args.repeat, "warmup": args.warmup,
-            "replays": args.replays, "probe_repeat": args.probe_repeat, "codec": args.codec, "device": args.device, "timeout": args.timeout, "out": tmp}))
+            "replays": args.replays, "probe_repeat": args.probe_repeat, "codec": args.codec,
+            "device": args.device, "timeout": args.timeout, "out": tmp}))
         if args.bandwidth:
             with EmulatedNetwork(args.workers, args.bandwidth) as net:
                 launch(args, config, net)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.costmodel import KINDS, PROBE_CHAIN, probe_op
+from benchmarks.costmodel import KINDS, probe_chain, probe_op
 from deepreduce_compat import deepreduce_from_params
 from spardl_grace import CountingTransport
 from spardl_grace.launch import join
@@ -108,22 +108,23 @@ PROBE_BYTES = (256, 1 << 16, 1 << 20, 16 << 20)  # from a histogram to a dense V
 
 def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> int:
     """Run the transport op that costmodel.probe_op(kind, nbytes, P) describes, back to back
-    as the algorithms run their ops; return how many ran. p2p: a chain of P - 1 exchanges with
-    the ranks at distance 1, 2, .., P - 1 in turn, as SRS, Bruck all-gathers and butterflies
-    move through their peers; a collective: PROBE_CHAIN of them. With more ranks than cores an
+    as the algorithms run their ops, as many as costmodel.probe_chain says (the chain the fit
+    models); return how many ran. p2p: P - 1 exchanges with the ranks at distance 1, 2, ..,
+    P - 1 in turn, as SRS, Bruck all-gathers and butterflies move through their peers. With more ranks than cores an
     op in such a chain costs several times one run alone after a barrier (at P = 8 on the
     benchmark machine: an exchange 3.8 against 0.7 ms, a 128-byte all-reduce 10 to 35 against
     2 ms), because every op waits for the last rank that the scheduler let finish the one
     before."""
     op = probe_op(kind, nbytes, transport.size, transport.rank)
     rank, size = transport.rank, transport.size
+    chain = probe_chain(kind, size)
     if kind == "p2p":
         entries = op.sent // 4
-        for d in range(1, size):
+        for d in range(1, chain + 1):
             transport.sendrecv(torch.zeros(entries), (rank + d) % size, (rank - d) % size,
                                f"{name}.{d}", recv_numel=entries)
-        return size - 1
-    for i in range(PROBE_CHAIN):
+        return chain
+    for i in range(chain):
         if kind == "allgather":
             transport.allgather(torch.zeros(op.sent // (4 * (size - 1))), f"{name}.{i}")
         elif kind == "alltoall":
@@ -132,7 +133,7 @@ def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> int:
             transport.allreduce(torch.zeros(op.size // 4), f"{name}.{i}")
         else:
             transport.broadcast(torch.zeros(op.size // 4), 0, f"{name}.{i}")
-    return PROBE_CHAIN
+    return chain
 
 
 def probe_ops(transport: Transport, sizes: tuple[int, ...] = PROBE_BYTES,
