@@ -5,6 +5,10 @@
     python -m benchmarks.comm --gradient vgg16 --bandwidth 1gbit ...   # a real model's gradient,
                                                                        # on an emulated 1 Gbit net
 
+Every sparse all-reduce also runs on the compact wire under its name with '_compact'
+(spardl_compact: fixed-width block-relative indices and bfloat16 values, grace_from_params'
+'wire': 'compact'); the others send the exact wire (int32 index, float32 value).
+
 Each of --workers processes (gloo over TCP by default; --backend mpi or horovod) makes its
 gradients once, then runs each algorithm in turn in the same run: --warmup untimed steps and
 --repeat timed ones, with error feedback carried from step to step. A step's time is that of
@@ -52,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("gloo", "mpi", "horovod")
 GRADIENTS = ("random", "resnet20", "resnet56", "resnet50", "vgg16", "vgg19", "alexnet", "fashioncnn")
 TIMES = ("total_s", "selection_s", "comm_s", "coding_s")
-VALID = (*costmodel.ALGORITHMS, *TORCH_HOOKS, *HOROVOD)
+VALID = (*costmodel.ALGORITHMS, *costmodel.COMPACT, *TORCH_HOOKS, *HOROVOD)
 
 
 def machine() -> dict[str, Any]:
@@ -173,12 +177,12 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
                             for i in range(steps)]) for t in TIMES}
         mean_bytes = [statistics.fmean(s["bytes_sent"] for s in rank_steps) for rank_steps in per_rank]
         h = None
-        if name == "spardl" and args.teams > 1:
+        if name.startswith("spardl") and args.teams > 1:
             h = statistics.fmean(s["stats"]["cross_entries"] for rs in per_rank for s in rs)
         formula = costmodel.formula_bytes(name, numel, args.workers, args.density, args.teams, h) \
-            if name in costmodel.ALGORITHMS else None
+            if name in (*costmodel.ALGORITHMS, *costmodel.COMPACT) else None
         # gTop-k's formula is its busiest rank's; every other algorithm's is symmetric.
-        measured = max(mean_bytes) if name == "gtopk" else statistics.fmean(mean_bytes)
+        measured = max(mean_bytes) if name.startswith("gtopk") else statistics.fmean(mean_bytes)
         if all("copy_s" in s for rank_steps in per_rank for s in rank_steps):
             # Time outside selection, coding and communication (passes over the gradient,
             # allocations, bookkeeping) on each step's busiest rank, in copies of the gradient

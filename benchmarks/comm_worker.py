@@ -41,12 +41,16 @@ def synchronize(device: torch.device) -> None:
 
 
 def algorithm_params(name: str, density: float, teams: int, codec: dict[str, Any]) -> dict[str, Any]:
-    """GRACE params of one benchmarked algorithm: the training CLI's, codec on sparse ones."""
+    """GRACE params of one benchmarked algorithm: the training CLI's, codec on sparse ones, the
+    compact wire on a '_compact' name (benchmarks.costmodel.variant)."""
+    from benchmarks.costmodel import variant
     from experiments.main_trainer import allreduce_params
-    params = allreduce_params(name, teams)
-    if name == "dense":
+    algorithm, wire = variant(name)
+    params = allreduce_params(algorithm, teams)
+    if algorithm == "dense":
         return params
-    return {**params, "compress_ratio": density, **codec}
+    return {**params, "compress_ratio": density, **codec,
+            **({"wire": "compact"} if wire == "compact" else {})}
 
 
 def gradients(cfg: dict[str, Any], rank: int, steps: int) -> list[torch.Tensor]:

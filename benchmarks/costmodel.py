@@ -41,6 +41,7 @@ from typing import Iterable, Sequence
 from spardl_grace.communicators.collectives import RADIX_BITS
 from spardl_grace.communicators.schedules import bruck_rounds, srs_schedule
 from spardl_grace.selection import count_for_ratio
+from spardl_grace.compact import VALUE_BYTES, index_width
 from spardl_grace.payload import frame_overhead
 from spardl_grace.registry import SPARSE_ALLREDUCES
 
@@ -49,7 +50,9 @@ from spardl_grace.registry import SPARSE_ALLREDUCES
 ALGORITHMS = ("dense", *(a for a in SPARSE_ALLREDUCES if a != "gaussiank"))
 KINDS = ("p2p", "alltoall", "allgather", "allreduce", "broadcast")
 FP32 = 4
-ENTRY = 8  # an int32 index and a float32 value
+ENTRY = 8  # an int32 index and a float32 value (the exact wire)
+#: the sparse all-reduces on the compact wire, by name ('spardl_compact')
+COMPACT = tuple(f"{a}_compact" for a in ALGORITHMS if a != "dense")
 RADIX_ROUNDS = 32 // RADIX_BITS  # digits of a float32 magnitude in Ok-Topk's radix select
 
 
@@ -132,9 +135,26 @@ def spardl_layout(n: int, size: int, density: float, teams: int = 1) -> tuple[in
     return m, block, max(1, math.floor(block * density))
 
 
+def variant(name: str) -> tuple[str, str]:
+    """(algorithm, wire) of a name of ALGORITHMS or COMPACT: 'spardl_compact' is SparDL on the
+    compact wire; ValueError naming the valid choices otherwise."""
+    if name in ALGORITHMS:
+        return name, "exact"
+    if name in COMPACT:
+        return name[: -len("_compact")], "compact"
+    raise ValueError(f"unknown algorithm {name!r}; valid choices: {', '.join(ALGORITHMS + COMPACT)}")
+
+
+def entry_bytes(block: int, wire: str) -> float:
+    """Bytes per entry of a message of a block of `block` entries: 8 on the exact wire, 2 and
+    ceil(log2 block) bits on the compact one (a message rounds its index bits up to a byte)."""
+    return ENTRY if wire == "exact" else VALUE_BYTES + index_width(block) / 8
+
+
 def formula_bytes(algorithm: str, n: int, size: int, density: float, teams: int = 1,
                   h: float | None = None) -> float:
-    """Bytes one rank sends per step by the algorithm's cost formula (payload only):
+    """Bytes one rank sends per step by the algorithm's cost formula (payload only), in 8-byte
+    entries (2 words) on the exact wire and entry_bytes() on the compact one ('_compact'):
       dense    ring all-reduce, 2n(P-1)/P words
       topka    2k words to each of the P-1 others
       topkdsa  the lower bound with independent supports: 2k(P-1)/P words of reduce-scatter,
@@ -144,29 +164,30 @@ def formula_bytes(algorithm: str, n: int, size: int, density: float, teams: int 
       oktopk   4k(P-1)/P words with balanced regions and thresholds selecting k
       spardl   4k(P-d)/P + 2h(d-1) words with k = k_b P/d (h = k_b/d when not given)
     """
+    algorithm, wire = variant(algorithm)
     if size == 1:
         return 0.0
     k = count_for_ratio(n, density)
+    region = math.ceil(n / size)
     if algorithm == "dense":
         return FP32 * 2 * n * (size - 1) / size
     if algorithm == "topka":
-        return ENTRY * k * (size - 1)
+        return entry_bytes(n, wire) * k * (size - 1)
     if algorithm == "topkdsa":
-        region = math.ceil(n / size)
         union = region * (1 - (1 - k / n) ** size)
-        return ENTRY * k * (size - 1) / size + (size - 1) * min(ENTRY * union, FP32 * region)
+        entry = entry_bytes(region, wire)
+        return entry * k * (size - 1) / size + (size - 1) * min(entry * union, FP32 * region)
     if algorithm == "gtopk":
         p = 1 << (size.bit_length() - 1)
-        final = ENTRY * k + math.ceil(k / 8) if size > p else 0
-        return ENTRY * k * (p.bit_length() - 1) + final
+        entry = entry_bytes(n, wire)
+        final = entry * k + math.ceil(k / 8) if size > p else 0
+        return entry * k * (p.bit_length() - 1) + final
     if algorithm == "oktopk":
-        return 2 * ENTRY * k * (size - 1) / size
-    if algorithm == "spardl":
-        m, _, kb = spardl_layout(n, size, density, teams)
-        k = kb * m
-        h = kb / teams if h is None else h
-        return FP32 * (4 * k * (size - teams) / size + 2 * h * (teams - 1))
-    raise ValueError(f"unknown algorithm {algorithm!r}; valid choices: {', '.join(ALGORITHMS)}")
+        return 2 * entry_bytes(region, wire) * k * (size - 1) / size
+    m, block, kb = spardl_layout(n, size, density, teams)
+    k = kb * m
+    h = kb / teams if h is None else h
+    return entry_bytes(block, wire) * (2 * k * (size - teams) / size + h * (teams - 1))
 
 
 # --------------------------------------------------------------------------- traces
@@ -390,30 +411,33 @@ def synthesize(algorithm: str, n: int, size: int, density: float, teams: int = 1
     """The ops `rank` performs in one step of `algorithm` on n fp32 entries with P = size,
     generated from the schedule (no data): each message's bytes are those the implementation
     sends, with the data-dependent counts taken from `calibration`. Rank 0 is the busiest
-    rank of every algorithm here (gtopk's final exchange included)."""
+    rank of every algorithm here (gtopk's final exchange included). A '_compact' name sends
+    entry_bytes() of its block an entry."""
+    algorithm, wire = variant(algorithm)
     cal = calibration or Calibration()
     if size == 1:
         return []
     k = count_for_ratio(n, density)
     others = [p for p in range(size) if p != rank]
+    region = math.ceil(n / size)
     if algorithm == "dense":
         volume = FP32 * 2 * n * (size - 1) // size
         return [Op("allreduce", volume, volume, size=FP32 * n)]
     if algorithm == "topka":
-        piece = ENTRY * k
+        piece = round(entry_bytes(n, wire) * k)
         return [Op("allgather", piece * (size - 1), piece * (size - 1))]
     if algorithm == "topkdsa":
-        region = math.ceil(n / size)
         x = k / n if cal.topkdsa_density is None else cal.topkdsa_density
-        per_peer = round(ENTRY * k / size)
+        entry = entry_bytes(region, wire)
+        per_peer = round(entry * k / size)
         reduce = Op("alltoall", per_peer * (size - 1), per_peer * (size - 1),
                     tuple((p, per_peer, per_peer) for p in others))
-        piece = min(ENTRY * round(region * (1 - (1 - x) ** size)), FP32 * region)
+        piece = min(round(entry * round(region * (1 - (1 - x) ** size))), FP32 * region)
         return [reduce, Op("allgather", piece * (size - 1), piece * (size - 1))]
     if algorithm == "gtopk":
         p = 1 << (size.bit_length() - 1)
         extra = size - p
-        msg = ENTRY * k
+        msg = round(entry_bytes(n, wire) * k)
         final = msg + math.ceil(k / 8) + frame_overhead(2)
         if rank >= p:  # an extra rank: folds its entries into rank - p, receives the result
             return [_p2p(rank, rank - p, rank - p, msg, 0), _p2p(rank, rank - p, rank - p, 0, final)]
@@ -424,47 +448,52 @@ def synthesize(algorithm: str, n: int, size: int, density: float, teams: int = 1
             ops.append(_p2p(rank, p + rank, p + rank, final, 0))
         return ops
     if algorithm == "oktopk":
-        per_peer = round(ENTRY * cal.oktopk_local * k / size)
+        entry = entry_bytes(region, wire)
+        per_peer = round(entry * cal.oktopk_local * k / size)
         reduce = Op("alltoall", per_peer * (size - 1), per_peer * (size - 1),
                     tuple((p, per_peer, per_peer) for p in others))
-        piece = round(ENTRY * cal.oktopk_global * k / size)
+        piece = round(entry * cal.oktopk_global * k / size)
         ops = [reduce, _allreduce(8, size, 1 - cal.oktopk_recompute)]  # the count check
         radix = [_allreduce(8, size, cal.oktopk_recompute)]
         radix += [_allreduce(8 << RADIX_BITS, size, cal.oktopk_recompute)] * RADIX_ROUNDS
         regions = _allreduce(8 * (size - 1), size, 1 / cal.oktopk_region_interval)
         return ops + radix + [regions, Op("allgather", piece * (size - 1), piece * (size - 1))]
-    if algorithm == "spardl":
-        return _spardl_ops(n, size, density, teams, cal, rank)
-    raise ValueError(f"unknown algorithm {algorithm!r}; valid choices: {', '.join(ALGORITHMS)}")
+    return _spardl_ops(n, size, density, teams, cal, rank, wire)
 
 
 def _spardl_ops(n: int, size: int, density: float, teams: int, cal: Calibration,
-                rank: int) -> list[Op]:
+                rank: int, wire: str) -> list[Op]:
     if size % teams:
         raise ValueError(f"teams (d={teams}) must divide the number of workers ({size})")
-    m, _, kb = spardl_layout(n, size, density, teams)
+    m, block, kb = spardl_layout(n, size, density, teams)
+    entry = entry_bytes(block, wire)
     team, q = divmod(rank, m)
     team_ranks = [team * m + j for j in range(m)]
     ops = []
     for rnd in srs_schedule(m):
         dst, src = team_ranks[(q + rnd.distance) % m], team_ranks[(q - rnd.distance) % m]
-        ops += [_p2p(rank, dst, src, ENTRY * kb, ENTRY * kb)] * rnd.blocks
+        ops += [_p2p(rank, dst, src, round(entry * kb), round(entry * kb))] * rnd.blocks
     if teams > 1:
         h = max(math.ceil(kb / teams), round(kb * cal.spardl_h.get(teams, 1 / teams)))
         group = [t * m + q for t in range(teams)]
-        ops += _bruck(team, group, ENTRY * min(h, kb))
+        ops += _bruck(team, group, round(entry * min(h, kb)))
     final = max(1, round(kb * cal.spardl_final))
-    ops += _bruck(q, team_ranks, ENTRY * final)
+    ops += _bruck(q, team_ranks, round(entry * final))
     return ops
 
 
 # --------------------------------------------------------------------------- calibration
 def calibrate(records: dict[str, list[dict]], n: int, density: float) -> Calibration:
     """Calibration from measured step statistics: records[algorithm] is a list of
-    {'size': P, 'teams': d, 'stats': grc.last_stats} for the steps measured."""
+    {'size': P, 'teams': d, 'stats': grc.last_stats} for the steps measured; an algorithm on the
+    compact wire ('spardl_compact') calibrates its algorithm like the exact one."""
     cal = Calibration()
     k = count_for_ratio(n, density)
-    dsa = [r for r in records.get("topkdsa", []) if r["size"] > 1]
+    by_base: dict[str, list[tuple[str, dict]]] = {}
+    for name, runs in records.items():
+        base, wire = variant(name)
+        by_base.setdefault(base, []).extend((wire, r) for r in runs if r["size"] > 1)
+    dsa = [r for _, r in by_base.get("topkdsa", [])]
     if dsa:
         xs = []
         for r in dsa:
@@ -473,7 +502,7 @@ def calibrate(records: dict[str, list[dict]], n: int, density: float) -> Calibra
             nnz = min(r["stats"]["gather_entries"], region - 1)
             xs.append(1 - (1 - nnz / region) ** (1 / size))
         cal.topkdsa_density = sum(xs) / len(xs)
-    ok = [r for r in records.get("oktopk", []) if r["size"] > 1]
+    ok = [r for _, r in by_base.get("oktopk", [])]
     if ok:
         # A recomputation runs the radix select's all-reduces; a reused threshold only the count.
         cal.oktopk_recompute = sum(r["stats"]["threshold_payload_bytes"] > 2 * 8 for r in ok) / len(ok)
@@ -482,15 +511,14 @@ def calibrate(records: dict[str, list[dict]], n: int, density: float) -> Calibra
         cal.oktopk_global = sum(r["stats"]["gather_entries"] * r["size"] / k for r in ok) / len(ok)
     by_teams: dict[int, list[float]] = {}
     finals = []
-    for r in records.get("spardl", []):
+    for wire, r in by_base.get("spardl", []):
         size, d = r["size"], r.get("teams", 1)
-        if size == 1:
-            continue
-        m, _, kb = spardl_layout(n, size, density, d)
+        m, block, kb = spardl_layout(n, size, density, d)
         if d > 1:
             by_teams.setdefault(d, []).append(r["stats"]["cross_entries"] / kb)
         if m > 1:
-            finals.append(r["stats"]["sag_payload_bytes"] / (ENTRY * kb * (m - 1)))
+            finals.append(r["stats"]["sag_payload_bytes"]
+                          / (entry_bytes(block, wire) * kb * (m - 1)))
     cal.spardl_h = {d: sum(v) / len(v) for d, v in by_teams.items()}
     if finals:
         cal.spardl_final = sum(finals) / len(finals)

@@ -35,19 +35,47 @@ TECHNIQUES = {
     "lrwarmup": ["--warmup-epochs", "0.25"],
     "mc": ["--momentum-correction", "0.9"],
     "clip": ["--local-clip-norm", "5"],
+    "compact": ["--wire", "compact"],
+    "exact": ["--wire", "exact"],
 }
 LR_TECHNIQUES = ("lrwarmup",)  # they change the optimiser, not the synchronisation
 DEFAULT_CONFIGS = "dense,spardl,spardl+warmup,spardl+mc,spardl+clip,spardl+warmup+mc,spardl+warmup+mc+clip"
+# PyTorch's own answers, as they ship: config name prefix -> (trainer --compressor, the option
+# its number sets). Their compression starts at START_FRACTION of the run's steps, as torch's
+# PowerSGD docs advise ("start with 10% of total training steps"; post-local SGD's start is
+# then moved up to a period later, so that its last step averages the models).
+TORCH_BASELINES = {"fp16": ("torch_fp16", None),
+                   "powersgd": ("torch_powersgd", "--powersgd-rank"),
+                   "postlocal": ("torch_postlocal", "--postlocal-period")}
+START_FRACTION = 0.1
 
 
-def config_options(config: str) -> list[str]:
-    """'spardl+warmup+mc' -> the CLI options; 'dense' -> none (dense all-reduce)."""
-    algorithm, *techniques = config.split("+")
+def config_options(config: str, total_steps: int = 0) -> list[str]:
+    """The CLI options of a config ALGORITHM[@DENSITY][+TECHNIQUE...]: 'dense' (with learning-
+    rate techniques only); 'fp16', 'powersgdR' (PowerSGD's hook at rank R), 'postlocalH' (post-
+    local SGD averaging every H steps), which start compressing at START_FRACTION of
+    `total_steps`; or a sparse all-reduce ('spardl@0.003+warmup2ep+compact')."""
+    head, *techniques = config.split("+")
+    algorithm, _, density = head.partition("@")
+    options = ["--density", density] if density else []
+    if density:
+        try:
+            ok = 0 < float(density) <= 1
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"density {density!r} must be a number in (0, 1]")
     if algorithm == "dense":
-        if set(techniques) - set(LR_TECHNIQUES):
+        if set(techniques) - set(LR_TECHNIQUES) or density:
             raise ValueError(f"dense takes only the learning-rate techniques: {', '.join(LR_TECHNIQUES)}")
         return [option for t in techniques for option in TECHNIQUES[t]]
-    options = ["--compression", "--compressor", algorithm]
+    baseline = _torch_baseline(algorithm, total_steps)
+    if baseline is not None:
+        if set(techniques) - set(LR_TECHNIQUES) or density:
+            raise ValueError(f"{algorithm} is PyTorch's own; it takes only the learning-rate "
+                             f"techniques: {', '.join(LR_TECHNIQUES)}")
+        return baseline + [option for t in techniques for option in TECHNIQUES[t]]
+    options += ["--compression", "--compressor", algorithm]
     if not any(t.startswith("warmup") for t in techniques):
         options += ["--density-warmup", "0"]  # the training CLI warms up by default
     for t in techniques:
@@ -57,11 +85,42 @@ def config_options(config: str) -> list[str]:
     return options
 
 
+def _torch_baseline(algorithm: str, total_steps: int) -> list[str] | None:
+    """The options of one of TORCH_BASELINES ('powersgd4'), or None for another algorithm."""
+    for prefix, (compressor, option) in TORCH_BASELINES.items():
+        if not algorithm.startswith(prefix):
+            continue
+        number = algorithm[len(prefix):]
+        if (option is None) != (number == ""):
+            raise ValueError(f"{algorithm!r}: write {prefix}" + ("" if option is None else "N, N >= 1"))
+        if option is not None and not (number.isdigit() and int(number) >= 1):
+            raise ValueError(f"{algorithm!r}: {prefix} takes a whole number, e.g. {prefix}4")
+        start = str(max(2, round(START_FRACTION * total_steps)))
+        options = ["--compression", "--compressor", compressor, "--density-warmup", "0"]
+        if option is not None:
+            options += [option, number]
+        if compressor == "torch_powersgd":
+            options += ["--powersgd-start-iter", start]
+        if compressor == "torch_postlocal":
+            # Later by under one period, so that the last step averages: the model scored at
+            # the end is then the average, as a user would save it.
+            aligned = int(start) + (total_steps - 1 - int(start)) % int(number)
+            options += ["--postlocal-start-iter", str(aligned)]
+        return options
+    return None
+
+
+def total_steps(args: argparse.Namespace) -> int:
+    """Training steps of each run: whole batches of every worker per epoch, times the epochs."""
+    return args.max_epochs * (args.train_samples // (args.workers * args.batch_size))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="comma-separated ALGORITHM[+TECHNIQUE...]; techniques: "
-                        + ", ".join(f"{k} ({' '.join(v)})" for k, v in TECHNIQUES.items()))
+                   help="comma-separated ALGORITHM[@DENSITY][+TECHNIQUE...]; ALGORITHM: dense, a "
+                        "sparse all-reduce, fp16, powersgdR or postlocalH (PyTorch's); "
+                        "techniques: " + ", ".join(f"{k} ({' '.join(v)})" for k, v in TECHNIQUES.items()))
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--dnn", default="mnistcnn")
     p.add_argument("--dataset", default="fashion-mnist")
@@ -85,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     for c in args.configs:
         try:
-            config_options(c)
+            config_options(c, total_steps(args))
         except ValueError as exc:
             p.error(f"--configs {c}: {exc}")
     return args
@@ -105,7 +164,8 @@ def run(args: argparse.Namespace, config: str, seed: int) -> dict:
            "--batch-size", str(args.batch_size), "--lr", str(args.lr),
            "--density", str(args.density), "--max-epochs", str(args.max_epochs),
            "--train-samples", str(args.train_samples), "--test-samples", str(args.test_samples),
-           "--seed", str(seed), "--out", str(out), *config_options(config), *args.extra.split(),
+           "--seed", str(seed), "--out", str(out), *config_options(config, total_steps(args)),
+           *args.extra.split(),
            *resume]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

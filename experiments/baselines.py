@@ -1,9 +1,15 @@
 """What a PyTorch user runs instead of this library, as it ships: DistributedDataParallel with
-its built-in all-reduce, its fp16 compression hook, or its PowerSGD hook.
+its built-in all-reduce, its fp16 compression hook, its PowerSGD hook, or post-local SGD (its
+post_localSGD_hook with PostLocalSGDOptimizer and a PeriodicModelAverager).
 
     sync = TorchDDPSync(model, optimizer, "torch_powersgd", powersgd_rank=4, start_iter=10)
     loss_fn(sync.model(x), y).backward()       # DDP all-reduces (or compresses) in backward
     sync.step()
+
+Post-local SGD all-reduces gradients like DDP for its first start_iter steps, then trains
+locally and averages the parameters every `period` steps. Its hook then all-reduces within a
+subgroup; here every worker stands for a machine of its own (the emulated cluster), so that
+subgroup is the worker alone and only the averaging crosses the network.
 
 Nothing here re-implements a hook: torch.distributed.algorithms.ddp_comm_hooks are called as
 they are. DDP gets one bucket for the whole model unless bucket_cap_mb is given (PowerSGD's hook
@@ -19,7 +25,7 @@ import torch
 
 from spardl_grace.transport.counting import ring_allreduce_bytes
 
-BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd")
+BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd", "torch_postlocal")
 ONE_BUCKET_MB = 1024  # DDP's bucket cap that keeps every model here in one bucket
 
 
@@ -28,7 +34,10 @@ class TorchDDPSync:
     (model, optimizer, step, bytes_sent, stats, state)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, name: str,
-                 powersgd_rank: int = 1, start_iter: int = 10, bucket_cap_mb: float | None = None):
+                 powersgd_rank: int = 1, start_iter: int = 10, bucket_cap_mb: float | None = None,
+                 period: int = 4):
+        """`start_iter`: PowerSGD's start_powerSGD_iter, or post-local SGD's start_localSGD_iter
+        (its averager's warm-up); `period`: post-local SGD's steps per model averaging."""
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -52,6 +61,9 @@ class TorchDDPSync:
                 process_group=None, matrix_approximation_rank=powersgd_rank,
                 start_powerSGD_iter=start_iter, random_seed=0)
             self.model.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
+        self.averager = None
+        if name == "torch_postlocal":
+            self.averager, self.optimizer = _post_local_sgd(self.model, optimizer, start_iter, period)
         self.bytes_sent = 0
         self._counted = 0  # PowerSGD's running count of sent entries, at the last step
         self.last_stats: dict[str, float] = {}
@@ -64,6 +76,8 @@ class TorchDDPSync:
         self.optimizer.step()
 
     def _step_bytes(self) -> int:
+        if self.averager is not None:
+            return self._post_local_bytes()
         if self.name == "torch_fp16":
             return ring_allreduce_bytes(2 * self.numel, self.world)
         state = self.powersgd
@@ -74,6 +88,16 @@ class TorchDDPSync:
         sent = state.total_numel_after_compression - self._counted
         self._counted = state.total_numel_after_compression
         return ring_allreduce_bytes(4 * sent, self.world)
+
+    def _post_local_bytes(self) -> int:
+        """Gradients all-reduced before start_iter; after it, the parameters on the steps the
+        averager averages (the step it is about to take, by its own rule), nothing between."""
+        averager = self.averager
+        if averager.step < averager.warmup_steps:
+            return ring_allreduce_bytes(4 * self.numel, self.world)
+        if (averager.step - averager.warmup_steps) % averager.period == 0:
+            return ring_allreduce_bytes(4 * self.numel, self.world)
+        return 0
 
     def set_density(self, density: float) -> None:
         raise ValueError(f"{self.name} has no density to warm up")
@@ -86,3 +110,22 @@ class TorchDDPSync:
         """None: torch's hook state (PowerSGD's error feedback and Q) is not checkpointed, so
         the trainer refuses --resume for these baselines."""
         return None
+
+
+def _post_local_sgd(ddp: torch.nn.parallel.DistributedDataParallel,
+                    optimizer: torch.optim.Optimizer, start_iter: int, period: int):
+    """Post-local SGD as torch's docs set it up, with a subgroup of one worker each: (the
+    averager, the PostLocalSGDOptimizer wrapping `optimizer`)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+        PostLocalSGDState, post_localSGD_hook)
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    if period < 2:
+        raise ValueError(f"post-local SGD's period must be >= 2 (1 is plain DDP), got {period}")
+    subgroup, _ = dist.new_subgroups(group_size=1)
+    ddp.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=subgroup,
+                                             start_localSGD_iter=start_iter), post_localSGD_hook)
+    averager = PeriodicModelAverager(period=period, warmup_steps=start_iter)
+    return averager, PostLocalSGDOptimizer(optim=optimizer, averager=averager)

@@ -50,6 +50,12 @@ ALGORITHMS: dict[str, list[str]] = {
     # and lossless delta-coded indices on top: about half of SparDL's bytes
     "spardl_delta_fp16": ["--compression", "--compressor", "spardl", "--deepreduce", "both",
                           "--index", "delta", "--value", "fp16"],
+    # the compact wire (22-bit indices and bfloat16 values on VGG-16, 4 ranks) and the exact one
+    "spardl_compact": ["--compression", "--compressor", "spardl", "--wire", "compact"],
+    "spardl_exact": ["--compression", "--compressor", "spardl", "--wire", "exact"],
+    "topka_compact": ["--compression", "--compressor", "topka", "--wire", "compact"],
+    "spardl_0005_compact": ["--compression", "--compressor", "spardl", "--density", "0.005",
+                            "--wire", "compact"],
     # DDP's own 25 MB buckets, each communicated while backward goes on: what DDP users run
     "ddp_25mb": ["--compression", "--compressor", "torch_ddp", "--bucket-cap-mb", "25"],
     "dense_25mb": ["--bucket-cap-mb", "25"],
@@ -65,7 +71,8 @@ ALGORITHMS: dict[str, list[str]] = {
 }
 SPARSE_ALGORITHMS = ("spardl", "spardl_hook", "spardl_d2", "spardl_25mb", "spardl_10mb",
                      "spardl_25mb_no_overlap", "spardl_dgcwarmup", "spardl_002",
-                     "spardl_0005", "spardl_fp16", "spardl_delta_fp16", "topka", "topkdsa",
+                     "spardl_0005", "spardl_fp16", "spardl_delta_fp16", "spardl_compact",
+                     "spardl_exact", "topka_compact", "spardl_0005_compact", "topka", "topkdsa",
                      "gtopk", "oktopk")
 LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD hook rank 1",
           "powersgd4": "PowerSGD hook rank 4", "dense": "dense (this library)",
@@ -73,6 +80,9 @@ LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD 
           "spardl_dgcwarmup": "SparDL, DGC's warm-up", "spardl_002": "SparDL at density 0.02",
           "spardl_0005": "SparDL at density 0.005", "spardl_fp16": "SparDL, fp16 values",
           "spardl_delta_fp16": "SparDL, delta indices and fp16 values",
+          "spardl_compact": "SparDL, compact wire", "spardl_exact": "SparDL, exact wire",
+          "topka_compact": "TopkA, compact wire",
+          "spardl_0005_compact": "SparDL at density 0.005, compact wire",
           "ddp_25mb": "PyTorch DDP, 25 MB buckets", "dense_25mb": "dense, 25 MB buckets",
           "dense_hook_25mb": "dense via this library's DDP hook, 25 MB buckets",
           "dense_25mb_no_overlap": "dense, 25 MB buckets, no overlap",

@@ -15,8 +15,9 @@ gloo where ranks share one. Without
 --compression every algorithm runs dense. --compressor takes a sparse all-reduce (spardl,
 topka, topkdsa, gtopk, oktopk, gaussiank, dense), a GRACE compressor (topk, randomk, qsgd, ...),
 which then runs with GRACE's memory and communicator for it, or one of PyTorch's own choices
-as they ship: DistributedDataParallel (torch_ddp) with its fp16 hook (torch_fp16) or its
-PowerSGD hook (torch_powersgd, --powersgd-rank).
+as they ship: DistributedDataParallel (torch_ddp) with its fp16 hook (torch_fp16), its
+PowerSGD hook (torch_powersgd, --powersgd-rank) or post-local SGD (torch_postlocal,
+--postlocal-period).
 
 The recipe is the reference one: SGD with momentum 0.9 and weight decay 1e-4, the learning
 rate warmed up linearly from lr/P over --warmup-epochs, then multiplied by 0.1 at each epoch in
@@ -47,6 +48,7 @@ import torch
 
 from deepreduce_compat import deepreduce_from_params
 from spardl_grace import launch, registry
+from spardl_grace.registry import WIRES
 from spardl_grace.checkpoint import check_same_step, load_checkpoint, save_checkpoint
 
 SPARSE_ALLREDUCES = (*registry.SPARSE_ALLREDUCES, "dense")
@@ -60,7 +62,7 @@ GRACE_PAIRS = {
     "efsignsgd": ("efsignsgd", "allgather"), "onebit": ("residual", "allgather"),
     "natural": ("none", "allgather"),
 }
-BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd")  # experiments.baselines
+BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd", "torch_postlocal")  # experiments.baselines
 COMPRESSORS = (*SPARSE_ALLREDUCES, *GRACE_PAIRS, *BASELINES)
 WEIGHT_DECAY = 1e-4
 # DGC's density warm-up over this many first epochs is the sparse all-reduces' default: of
@@ -132,6 +134,8 @@ def grace_params(args: argparse.Namespace) -> dict[str, Any]:
         if params["communicator"] in ("dense", "allreduce", "broadcast"):
             raise SystemExit(f"--deepreduce codes sparse messages; {args.compressor} sends none")
         params.update(deepreduce=args.deepreduce, index=args.index, value=args.value)
+    if args.wire is not None:
+        params["wire"] = args.wire
     return params
 
 
@@ -182,6 +186,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--powersgd-start-iter", type=int, default=10,
                    help="torch_powersgd: plain all-reduce before this step (torch's "
                         "start_powerSGD_iter, at least 2)")
+    p.add_argument("--postlocal-period", type=int, default=4,
+                   help="torch_postlocal: steps per model averaging (PeriodicModelAverager's "
+                        "period, at least 2)")
+    p.add_argument("--postlocal-start-iter", type=int, default=100,
+                   help="torch_postlocal: DDP's gradient all-reduce before this step, local SGD "
+                        "from it (start_localSGD_iter, the averager's warm_up steps)")
     p.add_argument("--teams", type=int, default=1, help="SparDL's d")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="fuse gradients into buckets of at most this many MB, each synchronised "
@@ -193,6 +203,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ddp-hook", action="store_true",
                    help="run this library's algorithm through DistributedDataParallel and "
                         "spardl_grace.comm_hook instead of DistributedOptimizer")
+    p.add_argument("--wire", default=None, choices=WIRES,
+                   help="the sparse all-reduces' wire format (grace_from_params' 'wire'; "
+                        "default: the library's)")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
     p.add_argument("--value", default="polyfit")
@@ -250,6 +263,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.powersgd_rank < 1 or args.powersgd_start_iter < 2:
         p.error("--powersgd-rank must be >= 1 and --powersgd-start-iter >= 2 (torch's hook "
                 "needs one plain step before it starts its error feedback)")
+    if args.postlocal_period < 2 or args.postlocal_start_iter < 0:
+        p.error("--postlocal-period must be >= 2 (1 is plain DDP) and --postlocal-start-iter "
+                ">= 0")
     if args.bandwidth is not None:
         from benchmarks.netem import rate_bits_per_s
         try:
@@ -271,9 +287,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.resume:
             p.error(f"--resume: {args.compressor}'s hook state is not checkpointed; resume works "
                     "with this library's algorithms")
-        if args.momentum_correction or args.local_clip_norm is not None or args.deepreduce:
+        if args.momentum_correction or args.local_clip_norm is not None or args.deepreduce \
+                or args.wire is not None:
             p.error(f"{args.compressor} is torch's own DDP path: --momentum-correction, "
-                    "--local-clip-norm and --deepreduce belong to this library's algorithms")
+                    "--local-clip-norm, --deepreduce and --wire belong to this library's "
+                    "algorithms")
     else:
         from spardl_grace.registry import resolve_params
         try:
@@ -607,8 +625,10 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport):
                           weight_decay=WEIGHT_DECAY / (1.0 - mc))
     if args.compression and args.compressor in BASELINES:
         from experiments.baselines import TorchDDPSync
+        postlocal = args.compressor == "torch_postlocal"
         return TorchDDPSync(model, sgd, args.compressor, args.powersgd_rank,
-                            args.powersgd_start_iter, args.bucket_cap_mb), None
+                            args.postlocal_start_iter if postlocal else args.powersgd_start_iter,
+                            args.bucket_cap_mb, args.postlocal_period), None
     params = grace_params(args)
     counting = spardl_grace.CountingTransport(transport)
     grc = deepreduce_from_params(params, transport=counting)

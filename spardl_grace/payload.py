@@ -68,9 +68,10 @@ class PayloadCodec(ABC):
         idx, vals = self.decode(data, block.numel(), block.dtype, block.device, key)
         return Encoded(data, idx, vals)
 
-    def fixed_size(self, count: int, dtype: torch.dtype) -> int | None:
-        """The exact byte size of every message of `count` entries of `dtype`, when it depends
-        on nothing else (so a receiver can expect it), else None."""
+    def fixed_size(self, count: int, dtype: torch.dtype, block_size: int) -> int | None:
+        """The exact byte size of every message of `count` entries of `dtype` from a block of
+        `block_size` entries, when it depends on nothing else (so a receiver can expect it),
+        else None."""
         return None
 
     def encode_sparse(
@@ -93,7 +94,7 @@ class IdentityCodec(PayloadCodec):
     def encode_bytes(self, block, indices, key):
         return self._pack(block.index_select(0, indices), indices, block.numel())
 
-    def fixed_size(self, count, dtype):
+    def fixed_size(self, count, dtype, block_size):
         return count * (torch.empty((), dtype=dtype).element_size() + 4)
 
     @staticmethod
@@ -157,9 +158,9 @@ class ChecksummedCodec(PayloadCodec):
         encoded = self.inner.encode_sparse(indices, values, size, key)
         return Encoded(_with_crc(encoded.data), encoded.indices, encoded.values)
 
-    def fixed_size(self, count, dtype):
+    def fixed_size(self, count, dtype, block_size):
         """The inner codec's fixed size plus the 4 checksum bytes (None if it has none)."""
-        inner = self.inner.fixed_size(count, dtype)
+        inner = self.inner.fixed_size(count, dtype, block_size)
         return None if inner is None else inner + CRC_BYTES
 
     def decode(self, data, block_size, dtype, device, key):

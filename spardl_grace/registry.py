@@ -30,6 +30,7 @@ from .communicators.oktopk import OkTopk
 from .communicators.spardl import SparDL
 from .communicators.topka import GaussianK, TopkA
 from .communicators.topkdsa import TopkDSA
+from .compact import CompactCodec
 from .params import (
     Param,
     an_int,
@@ -207,6 +208,9 @@ SPARSE_MEMORIES = {"global_residual", "residual", "none"}
 DGC_TECHNIQUE_MEMORIES = {"global_residual", "residual"}
 
 
+#: the sparse all-reduces' own wire formats (key 'wire')
+WIRES = ("exact", "compact")
+
 PARAMS: tuple[Param, ...] = (
     Param(
         "compressor",
@@ -280,6 +284,16 @@ PARAMS: tuple[Param, ...] = (
         None,
         "DGC's local clipping: each worker's gradient to L2 norm c/sqrt(P) before the memory",
         optional(number_above(0)),
+    ),
+    Param(
+        "wire",
+        "exact",
+        "how the sparse all-reduces send an entry when no payload codec is chosen: 'exact' "
+        "(int32 index, the value in its own dtype: 8 bytes for float32, the papers' format) or "
+        "'compact' (ceil(log2 block) bits of index, a bfloat16 value whose rounding error stays "
+        "in the residual: 4.75 bytes on VGG-16 with 4 ranks)",
+        choices=WIRES,
+        kind="wire",
     ),
     ranged(
         "checksum",
@@ -393,7 +407,23 @@ def _resolve(params: dict[str, Any]) -> tuple[dict[str, Any], PayloadCodec | Non
         p.update(keys.resolve(p))
     chosen = _codec_of(p)
     _check_combination(p, coded=chosen is not None)
+    if "wire" in params:
+        _check_wire(p["communicator"], coded=chosen is not None)
     return p, chosen
+
+
+def _check_wire(comm: str, coded: bool) -> None:
+    """A 'wire' given explicitly must take effect: with a sparse all-reduce and no codec."""
+    if comm not in SPARSE_ALLREDUCES:
+        raise ValueError(
+            f"'wire' is how the sparse all-reduces ({', '.join(SPARSE_ALLREDUCES)}) send their "
+            f"entries; communicator {comm!r} sends none of them"
+        )
+    if coded:
+        raise ValueError(
+            "a payload codec (a codec package's keys, such as DeepReduce's) sets the wire "
+            "format itself: give 'wire' or choose a codec, not both"
+        )
 
 
 def _check_combination(p: dict[str, Any], coded: bool) -> None:
@@ -499,6 +529,10 @@ def grace_from_params(
     # With a GRACE communicator, DeepReduce's keys choose wrappers of the compressor instead
     # (deepreduce_compat.deepreduce_from_params applies them).
     codec = codec if codec is not None else chosen
+    if codec is not None and "wire" in params:
+        _check_wire(comm, coded=True)
+    if codec is None and p["wire"] == "compact" and comm in SPARSE_ALLREDUCES:
+        codec = CompactCodec()
     if p["checksum"]:
         codec = ChecksummedCodec(codec if codec is not None else IdentityCodec())
     if transport is None:

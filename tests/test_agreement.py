@@ -48,6 +48,7 @@ def test_every_communicator_refuses_tensors_of_different_sizes_on_every_rank(com
     ("algorithm", lambda r: {"communicator": ("spardl", "topka")[r]}, 'communicator.class: rank 0 "SparDL", rank 1 "TopkA"'),
     ("teams", lambda r: {"teams": r + 1} if r == 0 else {"teams": 2}, "communicator.teams: rank 0 1, rank 1 2"),
     ("memory", lambda r: {"memory": ("global_residual", "none")[r]}, 'memory.class: rank 0 "GlobalResidualMemory", rank 1 "NoneMemory"'),
+    ("wire", lambda r: {"wire": ("exact", "compact")[r]}, 'communicator.codec.class: rank 0 "IdentityCodec", rank 1 "CompactCodec"'),
 ])
 def test_ranks_with_different_settings_all_raise_naming_the_setting(what, overrides, field):
     def fn(t):

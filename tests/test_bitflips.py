@@ -26,7 +26,7 @@ def test_a_checksummed_message_round_trips_and_any_flipped_bit_raises(n, data):
     indices = torch.randperm(n, generator=g)[:count]
     codec = ChecksummedCodec(IdentityCodec())
     encoded = codec.encode(block, indices, "k")
-    assert encoded.data.numel() == codec.fixed_size(count, block.dtype) == 8 * count + CRC_BYTES
+    assert encoded.data.numel() == codec.fixed_size(count, block.dtype, block.numel()) == 8 * count + CRC_BYTES
     got_indices, got_values = codec.decode(encoded.data, n, block.dtype, block.device, "k")
     assert torch.equal(got_indices, indices) and torch.equal(got_values, block[indices])
     bit = data.draw(st.integers(0, 8 * encoded.data.numel() - 1))

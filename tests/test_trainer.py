@@ -366,11 +366,15 @@ def test_density_warmup_needs_a_compressor_with_a_density(tmp_path, extra, capsy
 
 @pytest.mark.parametrize("baseline", main_trainer.BASELINES)
 def test_torchs_own_ddp_hooks_train_identical_replicas(tmp_path, baseline):
-    """PyTorch's DDP, its fp16 hook and its PowerSGD hook (as they ship) through the CLI on 2
-    real gloo workers; PowerSGD starts compressing after 2 steps and then sends less."""
+    """PyTorch's DDP, its fp16 hook, its PowerSGD hook and post-local SGD (as they ship) through
+    the CLI on 2 real gloo workers; PowerSGD starts compressing after 2 steps and then sends
+    less; post-local SGD all-reduces gradients for 3 steps, then averages the models at steps
+    3 and 5 (period 2) and trains locally at step 4: the last step averaged, so the replicas
+    end identical, and the last 3 steps sent 2 of 3 dense steps' bytes."""
     cmd = [sys.executable, "-m", "experiments.main_trainer", "--dnn", "fashioncnn",
            "--dataset", "digits", "--compression", "--compressor", baseline, "--batch-size", "16",
            "--max-steps", "6", "--powersgd-rank", "2", "--powersgd-start-iter", "2",
+           "--postlocal-start-iter", "3", "--postlocal-period", "2",
            "--eval-every", "3", "--nworkers", "2", "--out", str(tmp_path), "--timeout", "60"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -381,7 +385,7 @@ def test_torchs_own_ddp_hooks_train_identical_replicas(tmp_path, baseline):
     evals = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "eval"]
     late = evals[-1]["bytes_sent_per_step"]
-    expected = {"torch_ddp": dense, "torch_fp16": dense / 2}
+    expected = {"torch_ddp": dense, "torch_fp16": dense / 2, "torch_postlocal": 2 * dense / 3}
     if baseline in expected:
         assert late == expected[baseline]
     else:
@@ -471,25 +475,38 @@ def test_bucket_options_refuse_what_cannot_work(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def _refused(tmp_path, capsys, *options) -> str:
+    """The training CLI's error for `options` (it must refuse them)."""
+    with pytest.raises(SystemExit):
+        _args(tmp_path, *options)
+    return capsys.readouterr().err
+
+
 def test_baselines_refuse_what_they_cannot_do(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        _args(tmp_path, "--compression", "--compressor", "torch_powersgd", "--resume")
-    assert "hook state is not checkpointed" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        _args(tmp_path, "--compression", "--compressor", "torch_fp16", "--momentum-correction", "0.9")
-    assert "torch's own DDP path" in capsys.readouterr().err
+    for options, error in [
+            (["torch_powersgd", "--resume"], "hook state is not checkpointed"),
+            (["torch_fp16", "--momentum-correction", "0.9"], "torch's own DDP path"),
+            (["torch_powersgd", "--wire", "compact"], "--wire belong to this library's algorithms"),
+            (["torch_postlocal", "--postlocal-period", "1"], "--postlocal-period must be >= 2")]:
+        assert error in _refused(tmp_path, capsys, "--compression", "--compressor", *options)
     args = _args(tmp_path, "--compression", "--compressor", "torch_ddp")
     with pytest.raises(SystemExit, match="use --nworkers >= 2"):
         main_trainer.start(args)
 
 
+def test_the_wire_option_reaches_the_library_and_is_checked_there(tmp_path, capsys):
+    args = _args(tmp_path, "--compression", "--compressor", "spardl", "--wire", "compact")
+    assert main_trainer.grace_params(args)["wire"] == "compact"
+    assert "wire" not in main_trainer.grace_params(_args(tmp_path, "--compression"))
+    assert "'wire' is how the sparse all-reduces" in _refused(
+        tmp_path, capsys, "--compression", "--compressor", "topk", "--wire", "compact")
+
+
 def test_momentum_correction_settings_are_checked_when_parsed(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        _args(tmp_path, "--compression", "--compressor", "topk", "--momentum-correction", "0.9")
-    assert "momentum_correction is an option of memory" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        _args(tmp_path, "--compression", "--compressor", "spardl", "--momentum-correction", "1.5")
-    assert "momentum_correction must be a number in [0, 1)" in capsys.readouterr().err
+    assert "momentum_correction is an option of memory" in _refused(
+        tmp_path, capsys, "--compression", "--compressor", "topk", "--momentum-correction", "0.9")
+    assert "momentum_correction must be a number in [0, 1)" in _refused(
+        tmp_path, capsys, "--compression", "--compressor", "spardl", "--momentum-correction", "1.5")
 
 
 def test_time_budget_target_and_evaluations(tmp_path):
@@ -601,6 +618,31 @@ def test_ablation_configs_name_the_training_cli_options():
         ablation.config_options("dense+warmup")
     with pytest.raises(ValueError, match="unknown technique 'nope'"):
         ablation.config_options("spardl+nope")
+
+
+def test_ablation_configs_for_the_accuracy_per_byte_front():
+    """Densities per config, the wire, and PyTorch's own answers starting at 10% of the run's
+    steps (post-local SGD up to a period later, so that its last step averages)."""
+    from experiments import ablation
+    assert ablation.config_options("spardl@0.003+warmup2ep+compact") == [
+        "--density", "0.003", "--compression", "--compressor", "spardl", "--density-warmup", "2",
+        "--density-warmup-start", "0.25", "--wire", "compact"]
+    assert ablation.config_options("topka@0.003+exact")[-2:] == ["--wire", "exact"]
+    assert ablation.config_options("powersgd4", 3744) == [
+        "--compression", "--compressor", "torch_powersgd", "--density-warmup", "0",
+        "--powersgd-rank", "4", "--powersgd-start-iter", "374"]
+    assert ablation.config_options("fp16", 3744) == [
+        "--compression", "--compressor", "torch_fp16", "--density-warmup", "0"]
+    for period in (4, 16, 64):
+        options = ablation.config_options(f"postlocal{period}", 3744)
+        start = int(options[-1])
+        assert options[-4:-1] == ["--postlocal-period", str(period), "--postlocal-start-iter"]
+        assert 374 <= start < 374 + period and (3743 - start) % period == 0
+    for bad, match in [("powersgd", "write powersgdN"), ("powersgd0", "a whole number"),
+                       ("fp162", "write fp16"), ("spardl@1.5", "must be a number in"),
+                       ("dense@0.1", "only the learning-rate"), ("postlocal4+mc", "PyTorch's own")]:
+        with pytest.raises(ValueError, match=match):
+            ablation.config_options(bad, 3744)
 
 
 def test_ablation_runs_in_parallel_give_what_sequential_runs_give(tmp_path):

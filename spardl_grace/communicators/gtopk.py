@@ -121,10 +121,11 @@ class GTopk(CodedAllreduce):
             residual[chosen[torch.isin(chosen, final_idx)]] = 0
         return result, residual
 
-    def _set_size(self, k: int, dtype: torch.dtype) -> int | None:
-        """Bytes of a coded set of k entries, when the codec fixes it (every set sent holds
-        exactly k entries: the top k of a union of two k-sets)."""
-        return self.codec.fixed_size(k, dtype)
+    def _set_size(self, k: int, dtype: torch.dtype, n: int) -> int | None:
+        """Bytes of a coded set of k entries of the whole tensor (n entries), when the codec
+        fixes it (every set sent holds exactly k entries: the top k of a union of two
+        k-sets)."""
+        return self.codec.fixed_size(k, dtype, n)
 
     def _fold(self, ex: Exchange, current: _Set, coded: torch.Tensor, n: int, k: int) -> _Set:
         if not self.extra:
@@ -135,7 +136,7 @@ class GTopk(CodedAllreduce):
             _send_to(ex, me - p, coded)
             return current
         if me < self.extra:
-            got = _send_to(ex, me + p, None, expected=self._set_size(k, current.values.dtype))
+            got = _send_to(ex, me + p, None, expected=self._set_size(k, current.values.dtype, n))
             idx, vals = _sorted(*ex.decode(got, n, current.values, f"select.{me + p}"))
             ones = torch.ones(idx.numel(), dtype=torch.bool, device=idx.device)
             return self._merge(
@@ -154,7 +155,7 @@ class GTopk(CodedAllreduce):
         enc = ex.encode_sparse(current.indices, current.values, n, f"merge.{i}.{leader}")
         mine = self._after_coding(current, enc.indices, enc.values, leader == me)
         ex.stats.entries["merge"] += enc.indices.numel()
-        got = _send_to(ex, partner, enc.data, i, self._set_size(k, current.values.dtype))
+        got = _send_to(ex, partner, enc.data, i, self._set_size(k, current.values.dtype, n))
         idx, vals = _sorted(*ex.decode(got, n, current.values, f"merge.{i}.{partner_leader}"))
         theirs = _Set(
             idx,
@@ -232,7 +233,7 @@ class GTopk(CodedAllreduce):
                 _send_to(ex, None, None)
             return final_set.indices, final_set.values, final_set.credit
         k = count_for_ratio(n, self.density)
-        size = self._set_size(k, own_vals.dtype)
+        size = self._set_size(k, own_vals.dtype, n)
         if size is not None:  # the set and a bit per entry, framed
             size += bitpack.packed_size(k, 1) + frame_overhead(2)
         got = _send_to(ex, me - p, None, expected=size)

@@ -110,7 +110,7 @@ class SparDL(CodedAllreduce):
         final = self._select_final(ex, blocks[self.q], name, n, kb, undo)
         # With one team every final piece is exactly k_b entries; with cross-team merging it
         # is at most k_b, so its size travels with it.
-        piece_size = self.codec.fixed_size(kb, tensor.dtype) if self.teams == 1 else None
+        piece_size = self.codec.fixed_size(kb, tensor.dtype, block) if self.teams == 1 else None
         with ex.phase("sag"):
             pieces = ex.bruck_allgather(final, team_ranks, self.q, piece_size)
 
@@ -147,7 +147,8 @@ class SparDL(CodedAllreduce):
         """Spar-Reduce-Scatter: in each round of the schedule, send the top-k_b of the
         blocks due to the next worker and add in what the previous one sends."""
         m = blocks.shape[0]
-        expected = self.codec.fixed_size(kb, blocks.dtype)  # None: sizes travel first
+        # None: sizes travel first
+        expected = self.codec.fixed_size(kb, blocks.dtype, blocks.shape[1])
         for i, rnd in enumerate(srs_schedule(m)):
             dst = team_ranks[(self.q + rnd.distance) % m]
             src = team_ranks[(self.q - rnd.distance) % m]
@@ -194,7 +195,7 @@ class SparDL(CodedAllreduce):
             piece = ex.take(own, chosen, f"cross.{self.q}.{self.team}", undo)
             # Every member of the group holds the same h (adapted from the same unions).
             coded = ex.bruck_allgather(
-                piece.data, group, self.team, self.codec.fixed_size(h, own.dtype)
+                piece.data, group, self.team, self.codec.fixed_size(h, own.dtype, own.numel())
             )
         union = torch.zeros_like(own)
         member = torch.zeros(own.numel(), dtype=torch.bool, device=own.device)

@@ -10,7 +10,9 @@ import torch
 
 from ..transport.base import as_bytes, from_bytes
 
-MAX_WIDTH = 63
+MAX_WIDTH = 63  # pack_varwidth's
+FIXED_MAX_WIDTH = 32  # pack's: a value then spans at most two 32-bit words
+_LOW32 = 0xFFFFFFFF
 
 
 def width_for(max_value: int) -> int:
@@ -33,13 +35,24 @@ def unpack_bits(data: torch.Tensor) -> torch.Tensor:
 
 
 def pack(values: torch.Tensor, width: int) -> torch.Tensor:
-    """`values` (non-negative, each < 2**width) as ceil(len*width/8) uint8."""
-    if not 0 <= width <= MAX_WIDTH:
-        raise ValueError(f"bit width must be in 0..{MAX_WIDTH}, got {width}")
-    if width == 0 or values.numel() == 0:
+    """`values` (non-negative, each < 2**width) as ceil(len*width/8) uint8, in the stream's bit
+    order. A value starts in 32-bit word `start // 32` of the stream and may spill into the
+    next: one scatter-add of the values, shifted to their offsets, into 64-bit accumulators (one
+    per word; disjoint bits add as they OR), then each word is its accumulator's low half OR the
+    previous accumulator's high half. A few int64 temporaries per value, none per bit."""
+    _check_fixed_width(width)
+    count = values.numel()
+    if width == 0 or count == 0:
         return torch.empty(0, dtype=torch.uint8, device=values.device)
-    shifts = torch.arange(width, device=values.device, dtype=torch.int64)
-    return pack_bits(((values.to(torch.int64).reshape(-1, 1) >> shifts) & 1).reshape(-1))
+    word, offset = _layout(count, width, values.device)
+    nbytes = packed_size(count, width)
+    nwords = (nbytes + 3) // 4
+    acc = torch.zeros(nwords, dtype=torch.int64, device=values.device)
+    acc.index_add_(0, word, values.to(torch.int64) << offset)  # < 2**63: offset + width <= 63
+    words = acc & _LOW32
+    words[1:] |= acc[:-1] >> 32
+    # Words hold values below 2**32; int32 keeps their low 32 bits, little-endian in memory.
+    return words.to(torch.int32).view(torch.uint8)[:nbytes]
 
 
 def packed_size(count: int, width: int) -> int:
@@ -48,14 +61,40 @@ def packed_size(count: int, width: int) -> int:
 
 
 def unpack(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """Inverse of pack: `count` int64 values of `width` bits; ValueError if data is too short."""
+    """Inverse of pack: `count` int64 values of `width` bits; ValueError if data is not exactly
+    their packed size."""
+    _check_fixed_width(width)
     if data.numel() != packed_size(count, width):
         raise ValueError(f"{data.numel()} bytes cannot hold exactly {count} values of {width} bits")
     if width == 0 or count == 0:
         return torch.zeros(count, dtype=torch.int64, device=data.device)
-    bits = unpack_bits(data)[: count * width]
-    weights = 1 << torch.arange(width, device=data.device, dtype=torch.int64)
-    return (bits.view(count, width) * weights).sum(dim=1)
+    padded = torch.zeros((data.numel() + 3) // 4 * 4 + 4, dtype=torch.uint8, device=data.device)
+    padded[: data.numel()] = data
+    words = padded.view(torch.int32).to(torch.int64) & _LOW32
+    pairs = words[:-1] | (words[1:] << 32)  # word j and the word a value may spill into
+    word, offset = _layout(count, width, data.device)
+    # An arithmetic shift smears bit 63 into the top, but a value's bits end at bit 62 at most
+    # (offset <= 31, width <= 32), so the mask never reaches the smeared bits.
+    return (pairs.index_select(0, word) >> offset) & ((1 << width) - 1)
+
+
+def _check_fixed_width(width: int) -> None:
+    if not 0 <= width <= FIXED_MAX_WIDTH:
+        raise ValueError(f"bit width must be in 0..{FIXED_MAX_WIDTH}, got {width}")
+
+
+_LAYOUTS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _layout(count: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For values 0..count-1 of `width` bits: the 32-bit word each starts in and its bit offset
+    there. Kept per (width, device) for the largest count asked so far (a message's count
+    recurs step after step) and sliced for smaller ones: two int64 per value of that count."""
+    held = _LAYOUTS.get((width, device))
+    if held is None or held[0].numel() < count:
+        start = torch.arange(count, device=device, dtype=torch.int64) * width
+        held = _LAYOUTS[(width, device)] = (start >> 5, start & 31)
+    return held[0][:count], held[1][:count]
 
 
 def _bit_slots(widths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
