@@ -49,6 +49,7 @@ import torch
 from deepreduce_compat import deepreduce_from_params
 from spardl_grace import launch, registry
 from spardl_grace.registry import WIRES
+from spardl_grace.warmup import warmup_density
 from spardl_grace.checkpoint import check_same_step, load_checkpoint, save_checkpoint
 
 SPARSE_ALLREDUCES = (*registry.SPARSE_ALLREDUCES, "dense")
@@ -112,10 +113,12 @@ def _from_grace_config(args: argparse.Namespace) -> None:
         args.density = ratio
 
 
-def grace_params(args: argparse.Namespace) -> dict[str, Any]:
-    """GRACE params for the CLI's algorithm choice (--grace-config's as given)."""
+def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -> dict[str, Any]:
+    """GRACE params for the CLI's algorithm choice (--grace-config's as given). With
+    `steps_per_epoch`, a sparse all-reduce's --density-warmup becomes the library's warm-up
+    (density_warmup_steps, density_warmup_start) unless --grace-config sets one."""
     if args.grace_config is not None:
-        return {"seed": args.seed, **args.grace_config}
+        return {"seed": args.seed, **library_warmup(args, steps_per_epoch), **args.grace_config}
     if not args.compression:
         params = allreduce_params("dense", args.teams)
     elif args.compressor in (*SPARSE_ALLREDUCES, "none"):
@@ -136,7 +139,22 @@ def grace_params(args: argparse.Namespace) -> dict[str, Any]:
         params.update(deepreduce=args.deepreduce, index=args.index, value=args.value)
     if args.wire is not None:
         params["wire"] = args.wire
-    return params
+    return {**params, **library_warmup(args, steps_per_epoch)}
+
+
+def library_warmup(args: argparse.Namespace, steps_per_epoch: int | None) -> dict[str, Any]:
+    """The library's density warm-up keys for --density-warmup epochs of `steps_per_epoch`
+    steps, for a sparse all-reduce (none before the steps are known, or for anything else)."""
+    if steps_per_epoch is None or not args.density_warmup or not library_warms_up(args):
+        return {}
+    return {"density_warmup_steps": round(args.density_warmup * steps_per_epoch),
+            "density_warmup_start": args.density_warmup_start}
+
+
+def library_warms_up(args: argparse.Namespace) -> bool:
+    """Whether the algorithm is a sparse all-reduce, whose density warm-up the library runs
+    (GRACE's compressors get the same schedule through set_density, from the trainer)."""
+    return args.compression and args.compressor in SPARSE_ALLREDUCES and args.compressor != "dense"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -306,18 +324,6 @@ def new_run_id(transport) -> str:
     so that a resume never mixes the checkpoints of two runs."""
     drawn = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8)
     return bytes(transport.broadcast(drawn, 0, "trainer.run_id").tolist()).hex()
-
-
-def warmup_density(step: int, steps_per_epoch: int, args: argparse.Namespace) -> float:
-    """DGC's schedule: the densities s, s/4, s/16, ... above --density (s =
-    --density-warmup-start, DGC's 0.25), one stage each, in equal stages over the first
-    --density-warmup epochs; then --density."""
-    stages = []
-    while args.density_warmup_start * 0.25 ** len(stages) > args.density:
-        stages.append(args.density_warmup_start * 0.25 ** len(stages))
-    length = args.density_warmup * steps_per_epoch / max(len(stages), 1)
-    stage = int(step // length) if length > 0 else len(stages)
-    return stages[stage] if stage < len(stages) else args.density
 
 
 def epoch_list(text: str) -> tuple[float, ...]:
@@ -616,9 +622,11 @@ class GraceHookSync(GraceSync):
         self.hook.load_state_dict(state)
 
 
-def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport):
+def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport,
+               steps_per_epoch: int | None = None):
     """(sync, grace params or None): the algorithm the arguments ask for, with SGD as the
-    recipe says (without momentum under momentum correction)."""
+    recipe says (without momentum under momentum correction), and the library's density
+    warm-up for a sparse all-reduce when `steps_per_epoch` is known."""
     import spardl_grace
     mc = args.momentum_correction or 0.0
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if mc else 0.9,
@@ -629,7 +637,7 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport):
         return TorchDDPSync(model, sgd, args.compressor, args.powersgd_rank,
                             args.postlocal_start_iter if postlocal else args.powersgd_start_iter,
                             args.bucket_cap_mb, args.postlocal_period), None
-    params = grace_params(args)
+    params = grace_params(args, steps_per_epoch)
     counting = spardl_grace.CountingTransport(transport)
     grc = deepreduce_from_params(params, transport=counting)
     if args.ddp_hook:
@@ -693,11 +701,13 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         torch.manual_seed(args.seed)
         model = build_model(args.dnn, channels, classes).to(device)
     spardl_grace.broadcast_parameters(model.state_dict(), 0, transport)
-    sync, params = build_sync(args, model, transport)
     shard = torch.arange(rank, len(images), world)
     steps_per_epoch = len(shard) // args.batch_size
     if args.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
+    sync, params = build_sync(args, model, transport, steps_per_epoch)
+    # GRACE's compressors warm up through set_density, on the library's schedule.
+    warmup = (round(args.density_warmup * steps_per_epoch), args.density_warmup_start, args.density)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         sync.optimizer, lambda s: lr_factor(s, steps_per_epoch, args, world))
     n_params = sum(p.numel() for p in model.parameters())
@@ -788,8 +798,9 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
             step = epoch * steps_per_epoch + i
             density = None
             if args.density_warmup:
-                density = warmup_density(step, steps_per_epoch, args)
-                sync.set_density(density)
+                density = warmup_density(step, *warmup)
+                if not library_warms_up(args):
+                    sync.set_density(density)
             batch = order[i * args.batch_size:(i + 1) * args.batch_size]
             x, y = images[batch].to(device), labels[batch].to(device)
             step_start = time.perf_counter()

@@ -33,6 +33,7 @@ import torch
 
 from .agreement import agree, digest, settings_of
 from .transport import Transport
+from .warmup import warmup_density
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -420,6 +421,9 @@ class Synchronizer(ABC):
         pass
 
 
+DEFAULT_WARMUP_START = 0.25  # DGC's first stage
+
+
 def _check_density(density: float) -> None:
     if not 0 < density <= 1:
         raise ValueError(f"density must be in (0, 1], got {density}")
@@ -480,8 +484,9 @@ def _state_of(part: Any) -> dict[str, Any]:
 class SparseAllreduce(Synchronizer):
     """Base of the sparse all-reduces, the peers of GRACE's communicators: they select entries
     themselves while they communicate, so there is no compressor, and the residual is decided
-    by communication. One density (`density`, set_density) and, in CodedAllreduce, one step
-    counter per name.
+    by communication. One density (`density`, set_density: the steady state), an optional
+    density warm-up (set_density_warmup: DGC's stages over each name's first steps, see
+    spardl_grace.warmup) and, in CodedAllreduce, one step counter per name.
 
     Subclasses implement reduce(compensated_flat, name) -> (result_flat, residual_flat), where
     result is the average applied by every worker and residual is what this worker keeps. The
@@ -500,10 +505,31 @@ class SparseAllreduce(Synchronizer):
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density (compress_ratio) must be in (0, 1], got {density}")
         self.density = float(density)
+        self.density_warmup_steps = 0
+        self.density_warmup_start = DEFAULT_WARMUP_START
 
     def set_density(self, density: float) -> None:
+        """Send this fraction of the entries from the next step on, after any warm-up (the
+        warm-up's stages are those above it)."""
         _check_density(density)
         self.density = float(density)
+
+    def set_density_warmup(self, steps: int, start: float = DEFAULT_WARMUP_START) -> None:
+        """Warm the density up over each name's first `steps` steps: DGC's stages start,
+        start/4, ... above the density, then the density itself (0 steps: none). Every rank
+        must set the same (the ranks' agreement checks it)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"density warm-up steps must be an int >= 0, got {steps!r}")
+        _check_density(start)
+        self.density_warmup_steps = steps
+        self.density_warmup_start = float(start)
+
+    def density_at(self, step: int) -> float:
+        """The density a name's step `step` (0 first) sends: the warm-up's stage, then the
+        density."""
+        return warmup_density(
+            step, self.density_warmup_steps, self.density_warmup_start, self.density
+        )
 
     def synchronize(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Check that the ranks agree on `name`, compensate (into the algorithm's own buffer

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import compressors as C
 from . import memories as M
-from .api import Compressor, Memory, Synchronizer
+from .api import DEFAULT_WARMUP_START, Compressor, Memory, SparseAllreduce, Synchronizer
 from .communicators.dense import Dense
 from .communicators.grace import Allgather, Allreduce, Broadcast
 from .communicators.gtopk import RESIDUAL_RULES, GTopk
@@ -296,6 +296,20 @@ PARAMS: tuple[Param, ...] = (
         kind="wire",
     ),
     ranged(
+        "density_warmup_steps",
+        0,
+        "DGC's density warm-up for the sparse all-reduces: over each tensor's first this many "
+        "steps, send density_warmup_start, then a quarter of it, ... while above "
+        "compress_ratio, in equal stages (0: none)",
+        int_at_least(0),
+    ),
+    ranged(
+        "density_warmup_start",
+        DEFAULT_WARMUP_START,
+        "the density warm-up's first stage (DGC's 0.25)",
+        fraction(low_open=True),
+    ),
+    ranged(
         "checksum",
         False,
         "a CRC-32 on every message of a sparse all-reduce (4 bytes each), so a message changed "
@@ -409,6 +423,13 @@ def _resolve(params: dict[str, Any]) -> tuple[dict[str, Any], PayloadCodec | Non
     _check_combination(p, coded=chosen is not None)
     if "wire" in params:
         _check_wire(p["communicator"], coded=chosen is not None)
+    warmup = [k for k in ("density_warmup_steps", "density_warmup_start") if k in params]
+    if warmup and p["communicator"] not in SPARSE_ALLREDUCES:
+        raise ValueError(
+            f"{' and '.join(warmup)} warm up the density of the sparse all-reduces "
+            f"({', '.join(SPARSE_ALLREDUCES)}); communicator {p['communicator']!r} has none "
+            "(a GRACE compressor's density changes with set_density)"
+        )
     return p, chosen
 
 
@@ -550,7 +571,10 @@ def grace_from_params(
     elif "compressor" in given:
         _check_ignored_compressor(algorithm, given["compressor"])
     memory = given["memory"] if "memory" in given else MEMORIES[p["memory"]](p)
-    return algorithm.build(compressor, memory, transport, p, codec)
+    built = algorithm.build(compressor, memory, transport, p, codec)
+    if algorithm.family == "sparse" and isinstance(built, SparseAllreduce):
+        built.set_density_warmup(p["density_warmup_steps"], p["density_warmup_start"])
+    return built
 
 
 def _check_ignored_compressor(algorithm: Algorithm, compressor: Any) -> None:

@@ -19,6 +19,7 @@ from experiments import text
 from experiments.datasets import DATASET_TASKS, DATASETS, load_dataset
 from experiments.models import MODEL_TASKS, MODELS, build_model
 from spardl_grace import launch, run_local
+from spardl_grace.warmup import warmup_density
 
 
 # ------------------------------------------------------------------------------- models
@@ -323,20 +324,25 @@ def test_real_launches(tmp_path, launch_with):
 
 
 def test_density_warmup_follows_dgcs_schedule_within_an_epoch(tmp_path):
-    """0.75 epochs of warm-up at density 0.01: 0.25, 0.0625, 0.015625 for a quarter epoch
-    each, then 0.01; the bytes sent follow."""
-    args = _args(tmp_path, "--compression", "--compressor", "spardl", "--max-steps", "8",
-                 "--density", "0.01", "--density-warmup", "0.75", "--density-warmup-start", "0.25")
-    assert [main_trainer.warmup_density(s, 8, args) for s in range(9)] == \
-        [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01, 0.01]
+    """0.75 epochs of warm-up at density 0.01 become the library's warm-up over 6 of the 8
+    steps: 0.25, 0.0625, 0.015625 for a quarter epoch each, then 0.01; the densities logged
+    follow, and the bytes sent are more than without the warm-up."""
+    options = ["--compression", "--compressor", "spardl", "--max-steps", "8", "--density", "0.01"]
+    args = _args(tmp_path / "warm", *options, "--density-warmup", "0.75",
+                 "--density-warmup-start", "0.25")
+    assert main_trainer.library_warmup(args, 8) == {"density_warmup_steps": 6,
+                                                     "density_warmup_start": 0.25}
+    schedule = [warmup_density(s, 6, 0.25, 0.01) for s in range(8)]
+    assert schedule == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01]
     across = _args(tmp_path, "--density", "0.01", "--compression", "--density-warmup", "3",
                    "--density-warmup-start", "0.25")
-    assert [main_trainer.warmup_density(e * 10, 10, across) for e in range(4)] == \
-        [0.25, 0.0625, 0.015625, 0.01]
-    run_local(2, lambda t: main_trainer.train(args, t))
-    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert [r["density"] for r in records if r["kind"] == "step"] == \
-        [main_trainer.warmup_density(s, 8, args) for s in range(8)]
+    assert main_trainer.library_warmup(across, 10)["density_warmup_steps"] == 30
+    warm = run_local(2, lambda t: main_trainer.train(args, t))[0]
+    records = [json.loads(line) for line in (tmp_path / "warm" / "log.jsonl").read_text().splitlines()]
+    assert [r["density"] for r in records if r["kind"] == "step"] == schedule
+    cold = run_local(2, lambda t: main_trainer.train(
+        _args(tmp_path / "cold", *options, "--density-warmup", "0"), t))[0]
+    assert warm["bytes_sent_per_step"] > 2 * cold["bytes_sent_per_step"]
 
 
 def test_density_warmup_start_sets_the_first_stage(tmp_path, capsys):
@@ -344,11 +350,11 @@ def test_density_warmup_start_sets_the_first_stage(tmp_path, capsys):
     quarter epoch each."""
     args = _args(tmp_path, "--compression", "--density", "0.01", "--density-warmup", "0.5")
     assert args.density_warmup_start == main_trainer.DEFAULT_WARMUP_START == 0.0625
-    assert [main_trainer.warmup_density(s, 8, args) for s in range(6)] == \
+    assert main_trainer.library_warmup(args, 8) == {"density_warmup_steps": 4,
+                                                     "density_warmup_start": 0.0625}
+    assert [warmup_density(s, 4, 0.0625, 0.01) for s in range(6)] == \
         [0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01]
-    below = _args(tmp_path, "--compression", "--density", "0.05", "--density-warmup", "1",
-                  "--density-warmup-start", "0.04")
-    assert main_trainer.warmup_density(0, 8, below) == 0.05  # nothing above --density: no stage
+    assert warmup_density(0, 8, 0.04, 0.05) == 0.05  # nothing above --density: no stage
     for bad in ("0", "1.5"):
         with pytest.raises(SystemExit):
             _args(tmp_path, "--density-warmup-start", bad)

@@ -52,6 +52,14 @@ class CodedAllreduce(SparseAllreduce):
         # Per name, where the latest result may be non-zero: (its buffer's address, positions).
         self._support: dict[str, tuple[int, torch.Tensor]] = {}
 
+    def fingerprint(self, tensor: torch.Tensor, name: str) -> dict[str, Any]:
+        """Synchronizer's fingerprint, and the density this step of `name` sends: ranks that
+        are in different stages of the density warm-up raise at once."""
+        return {
+            **super().fingerprint(tensor, name),
+            "step_density": self.density_at(self._steps.get(name, 0)),
+        }
+
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         step = self.next_step(name)
         ex = Exchange(self.transport, f"{name}.{step}", self.PHASES, self.codec)
@@ -67,8 +75,8 @@ class CodedAllreduce(SparseAllreduce):
         self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of the algorithm on the non-empty flat compensated `tensor` (step `step`
-        of `name`): (the average every rank applies, this rank's new residual), exchanged
-        through `ex`."""
+        of `name`, which sends density_at(step) of the entries): (the average every rank
+        applies, this rank's new residual), exchanged through `ex`."""
 
     def working_numel(self, numel: int) -> int:
         """Length of the working buffer for a tensor of `numel` entries (padding included)."""

@@ -90,7 +90,7 @@ class GTopk(CodedAllreduce):
         self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, me = tensor.numel(), ex.rank
-        k = count_for_ratio(n, self.density)
+        k = count_for_ratio(n, self.density_at(step))
         with ex.selecting():
             chosen = torch.sort(topk_abs(tensor, k, self.scratch)).values
         own = ex.encode(tensor, chosen, f"select.{me}")
@@ -109,7 +109,7 @@ class GTopk(CodedAllreduce):
         with ex.phase("final"):
             if me < self.butterfly:
                 final = self._final_coding(ex, current, n)
-            final_idx, final_vals, credit = self._deliver(ex, final, own_idx, own_vals, n)
+            final_idx, final_vals, credit = self._deliver(ex, final, own_idx, own_vals, n, k)
 
         result = self.zeros_for_result(name, tensor)
         result.index_copy_(0, final_idx, final_vals / ex.size)
@@ -213,10 +213,11 @@ class GTopk(CodedAllreduce):
         own_idx: torch.Tensor,
         own_vals: torch.Tensor,
         n: int,
+        k: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(final indices, final values, our credit on them) on every rank: the fold partners
-        send the coded final set and a bitmask of the entries that carry the folded worker's
-        contribution, whose credit is then its own coded value there."""
+        send the coded final set (k entries) and a bitmask of the entries that carry the folded
+        worker's contribution, whose credit is then its own coded value there."""
         me, p = ex.rank, self.butterfly
         if not self.extra:
             final_set, _ = final
@@ -232,7 +233,6 @@ class GTopk(CodedAllreduce):
             else:
                 _send_to(ex, None, None)
             return final_set.indices, final_set.values, final_set.credit
-        k = count_for_ratio(n, self.density)
         size = self._set_size(k, own_vals.dtype, n)
         if size is not None:  # the set and a bit per entry, framed
             size += bitpack.packed_size(k, 1) + frame_overhead(2)

@@ -164,7 +164,7 @@ class OkTopk(CodedAllreduce):
             with ex.phase("dense"):
                 return ex.dense_average(tensor), torch.zeros_like(tensor)
         t = step - self.warmup
-        k = count_for_ratio(n, self.density)
+        k = count_for_ratio(n, self.density_at(step))
         everything = k >= n
 
         with ex.selecting():

@@ -79,17 +79,22 @@ class SparDL(CodedAllreduce):
         self.team, self.q = divmod(transport.rank, self.team_size)
         self._h: dict[str, int] = {}
 
-    def block_layout(self, numel: int) -> tuple[int, int]:
-        """(B, k_b): block length and per-block budget for a tensor of `numel` entries."""
+    def block_layout(self, numel: int, density: float | None = None) -> tuple[int, int]:
+        """(B, k_b): block length and per-block budget for a tensor of `numel` entries at
+        `density` (the steady-state density if None)."""
+        density = self.density if density is None else density
         block = math.ceil(numel / self.team_size)
-        return block, (min(block, max(1, math.floor(block * self.density))) if block else 0)
+        return block, (min(block, max(1, math.floor(block * density))) if block else 0)
 
-    def h_for(self, name: str, numel: int) -> int:
-        """Entries each block owner contributes to the cross-team exchange for `name`."""
-        block, kb = self.block_layout(numel)
+    def h_for(self, name: str, numel: int, density: float | None = None) -> int:
+        """Entries each block owner contributes to the cross-team exchange for `name` at
+        `density` (the steady-state density if None): the adapted h, within ceil(k_b/d)..k_b
+        of that density (a warm-up stage's end shrinks k_b under an h adapted before)."""
+        block, kb = self.block_layout(numel, density)
         if kb >= block:
             return block
-        return self._h.get(name, math.ceil(kb / self.teams))
+        low = math.ceil(kb / self.teams)
+        return min(kb, max(low, self._h.get(name, low)))
 
     def working_numel(self, numel: int) -> int:
         return self.team_size * self.block_layout(numel)[0]
@@ -98,7 +103,8 @@ class SparDL(CodedAllreduce):
         self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = tensor.numel()
-        block, kb = self.block_layout(n)
+        density = self.density_at(step)
+        block, kb = self.block_layout(n, density)
         m = self.team_size
         working = self.working_copy(tensor, name)  # D, starting as A
         blocks = working.view(m, block)
@@ -107,7 +113,7 @@ class SparDL(CodedAllreduce):
 
         with ex.phase("srs"):
             self._spar_reduce_scatter(ex, blocks, kb, team_ranks, undo)
-        final = self._select_final(ex, blocks[self.q], name, n, kb, undo)
+        final = self._select_final(ex, blocks[self.q], name, n, density, undo)
         # With one team every final piece is exactly k_b entries; with cross-team merging it
         # is at most k_b, so its size travels with it.
         piece_size = self.codec.fixed_size(kb, tensor.dtype, block) if self.teams == 1 else None
@@ -175,19 +181,20 @@ class SparDL(CodedAllreduce):
         own: torch.Tensor,
         name: str,
         numel: int,
-        kb: int,
+        density: float,
         undo: Undo,
     ) -> torch.Tensor:
         """Choose this worker's block's final entries (cross-team merge when d > 1), subtract
         them from the working copy, and return them coded for the all-gather."""
         final_tag = f"final.{self.q}"
+        kb = self.block_layout(numel, density)[1]
         if self.teams == 1:
             with ex.selecting():
                 chosen = topk_abs(own, kb, self.scratch)
             with ex.phase("sag"):
                 return ex.take(own, chosen, final_tag, undo).data
 
-        h = self.h_for(name, numel)
+        h = self.h_for(name, numel, density)
         with ex.selecting():
             chosen = topk_abs(own, h, self.scratch)
         group = [t * self.team_size + self.q for t in range(self.teams)]
@@ -205,7 +212,7 @@ class SparDL(CodedAllreduce):
             member[idx] = True
         with ex.selecting():
             candidates = torch.nonzero(member).reshape(-1)
-            self._adapt_h(name, numel, candidates.numel())
+            self._adapt_h(name, numel, candidates.numel(), density)
             if candidates.numel() > kb:
                 candidates = candidates[topk_abs(union[candidates], kb)]
         enc = ex.encode(union, candidates, final_tag)
@@ -216,11 +223,11 @@ class SparDL(CodedAllreduce):
         ex.stats.entries["sag"] += enc.indices.numel()
         return enc.data
 
-    def _adapt_h(self, name: str, numel: int, union_size: int) -> None:
-        block, kb = self.block_layout(numel)
+    def _adapt_h(self, name: str, numel: int, union_size: int, density: float) -> None:
+        block, kb = self.block_layout(numel, density)
         if kb >= block:
             return
-        h = self.h_for(name, numel)
+        h = self.h_for(name, numel, density)
         estimate = h * kb / max(union_size, 1)
         new_h = round((1 - H_GAIN) * h + H_GAIN * estimate)
         self._h[name] = min(kb, max(math.ceil(kb / self.teams), new_h))

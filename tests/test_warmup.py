@@ -1,0 +1,130 @@
+"""The library's density warm-up (spardl_grace.warmup, grace_from_params' density_warmup_steps):
+DGC's stages in equal parts over each name's first steps, the counts every sparse all-reduce
+then sends, a checkpoint round trip that continues the schedule bit for bit, ranks that
+disagree on it (or stand in different stages) raising at once, and the keys' refusals."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_checks import check_consistent_and_conserving, run_steps
+from spardl_grace import grace_from_params, run_local
+from spardl_grace.registry import SPARSE_ALLREDUCES
+from spardl_grace.selection import count_for_ratio
+from spardl_grace.warmup import warmup_density, warmup_stages
+
+SPARSE = {"compressor": "topk", "memory": "global_residual", "compress_ratio": 0.01}
+
+
+def test_dgc_stages_above_the_target():
+    assert warmup_stages(0.25, 0.01) == [0.25, 0.0625, 0.015625]
+    assert warmup_stages(0.25, 0.001) == [0.25, 0.0625, 0.015625, 0.00390625]
+    assert warmup_stages(0.0625, 0.01) == [0.0625, 0.015625]
+    assert warmup_stages(0.01, 0.01) == []
+    assert [warmup_density(s, 6, 0.25, 0.01) for s in range(8)] == \
+        [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01]
+    assert warmup_density(0, 0, 0.25, 0.01) == 0.01
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(0, 5000), st.floats(1e-4, 1.0), st.floats(1e-4, 1.0))
+def test_the_schedule_falls_in_equal_stages_to_the_target(steps, start, target):
+    """Densities never rise, end at the target after `steps` steps, and every stage lasts
+    floor or ceil of steps / stages steps."""
+    densities = [warmup_density(s, steps, start, target) for s in range(steps + 2)]
+    assert all(a >= b for a, b in zip(densities, densities[1:]))
+    assert densities[-1] == densities[-2] == target
+    stages = warmup_stages(start, target)
+    if stages and steps >= len(stages):
+        lengths = [densities[:steps].count(d) for d in stages]
+        assert set(lengths) <= {steps // len(stages), math.ceil(steps / len(stages))}
+        assert sum(lengths) == steps
+
+
+@pytest.mark.parametrize("comm", [c for c in SPARSE_ALLREDUCES if c != "gaussiank"])
+def test_every_sparse_allreduce_sends_the_stages_counts_and_conserves(comm):
+    """TopkA selects exactly k = ceil(n * density) a step: the counts follow the stages; every
+    exact-count algorithm conserves mass and agrees across ranks through the stage changes."""
+    per_rank = run_steps(4, {"communicator": comm, "compress_ratio": 0.01,
+                             "density_warmup_steps": 6}, 4000, steps=8)
+    check_consistent_and_conserving(per_rank, 4)
+    if comm == "topka":
+        sent = [r["stats"]["gather_entries"] for r in per_rank[0]]
+        assert sent == [count_for_ratio(4000, warmup_density(s, 6, 0.25, 0.01)) for s in range(8)]
+
+
+def _steps_with(params, grads, t, state=None, first=0):
+    grc = grace_from_params({**SPARSE, "communicator": "spardl", **params}, transport=t)
+    if state is not None:
+        grc.load_state_dict(state)
+    out = [grc.step(g.clone(), "w") for g in grads[first:]]
+    return out, grc.state_dict()
+
+
+def test_a_checkpoint_round_trip_continues_the_schedule_bit_for_bit():
+    """Stopped after 3 of 8 steps (inside the warm-up) and resumed from state_dict in a new
+    synchronizer: the remaining steps equal those of a run never stopped."""
+    params = {"density_warmup_steps": 6}
+
+    def fn(t):
+        g = torch.Generator().manual_seed(t.rank)
+        grads = [torch.randn(3000, generator=g) for _ in range(8)]
+        whole, _ = _steps_with(params, grads, t)
+        _, saved = _steps_with(params, grads[:3], t)
+        resumed, _ = _steps_with(params, grads, t, state=saved, first=3)
+        return whole[3:], resumed
+    for whole, resumed in run_local(3, fn):
+        assert all(torch.equal(a, b) for a, b in zip(whole, resumed))
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_with_different_warmups_all_raise_naming_the_setting():
+    def fn(t):
+        grc = grace_from_params({**SPARSE, "communicator": "spardl",
+                                 "density_warmup_steps": 10 * (t.rank + 1)}, transport=t)
+        return _error(lambda: grc.step(torch.randn(1000), "w"))
+    errors = run_local(2, fn)
+    assert errors[0] == errors[1]
+    assert "communicator.density_warmup_steps: rank 0 10, rank 1 20" in errors[0]
+
+
+def test_ranks_in_different_stages_raise_at_once():
+    """One rank resumed from another step: at its first step the ranks send different
+    densities, and both raise naming it instead of exchanging messages of different sizes."""
+    def fn(t):
+        grc = grace_from_params({**SPARSE, "communicator": "spardl", "density_warmup_steps": 6},
+                                transport=t)
+        if t.rank == 1:
+            grc.load_state_dict({"communicator": {"steps": {"w": 2}}})
+        return _error(lambda: grc.step(torch.randn(1000), "w"))
+    errors = run_local(2, fn)
+    assert errors[0] == errors[1] and "step_density: rank 0 0.25, rank 1 0.0625" in errors[0]
+
+
+def test_the_warmup_keys_are_refused_where_there_is_no_density_to_warm():
+    from spardl_grace.transport.local import LocalTransport
+    one = LocalTransport.world(1)[0]
+    with pytest.raises(ValueError, match="warm up the density of the sparse all-reduces"):
+        grace_from_params({"compressor": "topk", "memory": "residual", "communicator": "allgather",
+                           "density_warmup_steps": 100}, transport=one)
+    with pytest.raises(ValueError, match="density_warmup_steps must be an int >= 0"):
+        grace_from_params({**SPARSE, "communicator": "spardl", "density_warmup_steps": -1},
+                          transport=one)
+    with pytest.raises(ValueError, match="density_warmup_start must be"):
+        grace_from_params({**SPARSE, "communicator": "spardl", "density_warmup_start": 0},
+                          transport=one)
+    grc = grace_from_params({**SPARSE, "communicator": "topka", "density_warmup_steps": 40,
+                             "density_warmup_start": 0.0625}, transport=one)
+    assert (grc.density_warmup_steps, grc.density_warmup_start) == (40, 0.0625)
+    assert grc.density_at(0) == 0.0625 and grc.density_at(39) == 0.015625 and grc.density_at(40) == 0.01
