@@ -34,6 +34,7 @@ from .utils import bitpack
 VALUE_BYTES = 2
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 _BF16_MAX = torch.finfo(torch.bfloat16).max
+_BF16_INF_BITS = 0x7F80  # bfloat16's +infinity; NaNs lie above it
 
 
 def index_width(block_size: int) -> int:
@@ -56,8 +57,14 @@ def to_wire(values: torch.Tensor) -> torch.Tensor:
     target = wire_dtype(values.dtype)
     if values.dtype == target:
         return values
-    clamped = values.clamp(-_BF16_MAX, _BF16_MAX)  # keeps NaN; turns infinities finite ...
-    return torch.where(values.isinf(), values, clamped).to(target)  # ... so put those back
+    wire = values.to(target)
+    # Only a message that rounded to an infinity or NaN can hold a finite value rounded up to
+    # infinity: those bit patterns (exponent all ones) are the largest magnitudes, so one max
+    # over the 16-bit words tells, and the common message pays nothing more.
+    if values.numel() and int((wire.view(torch.int16) & 0x7FFF).amax()) >= _BF16_INF_BITS:
+        clamped = values.clamp(-_BF16_MAX, _BF16_MAX)  # keeps NaN; turns infinities finite ...
+        wire = torch.where(values.isinf(), values, clamped).to(target)  # ... so put those back
+    return wire
 
 
 class CompactCodec(PayloadCodec):
@@ -105,6 +112,7 @@ class CompactCodec(PayloadCodec):
         split = VALUE_BYTES * count
         values = from_bytes(data[:split], wire_dtype(dtype)).to(device=device, dtype=dtype)
         indices = bitpack.unpack(data[split:].to(device), count, width)
-        if count and int(indices.max()) >= block_size:
+        # Every width-bit index lies in a block of 2**width entries: only smaller ones check.
+        if count and block_size < 1 << width and int(indices.max()) >= block_size:
             raise ValueError(f"compact message has indices outside the block of {block_size}")
         return indices, values

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..api import Memory
-from ..payload import PayloadCodec
+from ..payload import Encoded, PayloadCodec
 from ..selection import topk_abs
 from ..transport import Transport
 from ._base import CodedAllreduce
@@ -118,12 +118,14 @@ class SparDL(CodedAllreduce):
         # is at most k_b, so its size travels with it.
         piece_size = self.codec.fixed_size(kb, tensor.dtype, block) if self.teams == 1 else None
         with ex.phase("sag"):
-            pieces = ex.bruck_allgather(final, team_ranks, self.q, piece_size)
+            pieces = ex.bruck_allgather(final.data, team_ranks, self.q, piece_size)
 
         result = self.zeros_for_result(name, working)
         selected = []
         for j, data in enumerate(pieces):
-            idx, vals = ex.decode(data, block, tensor, f"final.{j}")
+            # Our own piece decodes to what its encoding reported: no need to decode it.
+            idx, vals = (final.indices, final.values) if j == self.q else \
+                ex.decode(data, block, tensor, f"final.{j}")
             positions = j * block + idx
             result.index_copy_(0, positions, vals / ex.size)  # zeros need no division
             selected.append(positions)
@@ -183,7 +185,7 @@ class SparDL(CodedAllreduce):
         numel: int,
         density: float,
         undo: Undo,
-    ) -> torch.Tensor:
+    ) -> Encoded:
         """Choose this worker's block's final entries (cross-team merge when d > 1), subtract
         them from the working copy, and return them coded for the all-gather."""
         final_tag = f"final.{self.q}"
@@ -192,7 +194,7 @@ class SparDL(CodedAllreduce):
             with ex.selecting():
                 chosen = topk_abs(own, kb, self.scratch)
             with ex.phase("sag"):
-                return ex.take(own, chosen, final_tag, undo).data
+                return ex.take(own, chosen, final_tag, undo)
 
         h = self.h_for(name, numel, density)
         with ex.selecting():
@@ -221,7 +223,7 @@ class SparDL(CodedAllreduce):
             undo.append((own, enc.indices, own[enc.indices]))
             own[enc.indices] += union[enc.indices] - enc.values
         ex.stats.entries["sag"] += enc.indices.numel()
-        return enc.data
+        return enc
 
     def _adapt_h(self, name: str, numel: int, union_size: int, density: float) -> None:
         block, kb = self.block_layout(numel, density)
