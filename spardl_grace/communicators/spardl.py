@@ -124,8 +124,11 @@ class SparDL(CodedAllreduce):
         selected = []
         for j, data in enumerate(pieces):
             # Our own piece decodes to what its encoding reported: no need to decode it.
-            idx, vals = (final.indices, final.values) if j == self.q else \
-                ex.decode(data, block, tensor, f"final.{j}")
+            idx, vals = (
+                (final.indices, final.values)
+                if j == self.q
+                else ex.decode(data, block, tensor, f"final.{j}")
+            )
             positions = j * block + idx
             result.index_copy_(0, positions, vals / ex.size)  # zeros need no division
             selected.append(positions)

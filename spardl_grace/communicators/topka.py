@@ -50,8 +50,11 @@ class TopkA(CodedAllreduce):
         support = []
         for rank, data in enumerate(pieces):
             # Our own piece decodes to what its encoding reported: no need to decode it.
-            idx, vals = (mine.indices, mine.values) if rank == ex.rank else \
-                ex.decode(data, n, tensor, str(rank))
+            idx, vals = (
+                (mine.indices, mine.values)
+                if rank == ex.rank
+                else ex.decode(data, n, tensor, str(rank))
+            )
             result.index_add_(0, idx, vals)
             support.append(idx)
         # Zeros need no division; a position sent by several ranks is written several times
