@@ -1,6 +1,11 @@
 """The README's main job: time to accuracy on an emulated slow network. 4 workers train MnistCNN
 (Keras's MNIST CNN, 1.2M parameters) on Fashion-MNIST with PyTorch's DDP, PyTorch's own
-PowerSGD hook and SparDL, each for the same training-time budget, on links shaped to 100 Mbit/s.
+PowerSGD hook and SparDL on links shaped to 100 Mbit/s, --repeats times each (seeds --seed,
+--seed + 1, ...; the algorithms take turns, so that a machine's drift falls on all alike). A run
+stops at the evaluation that reaches --target-accuracy, or after --time-budget seconds of
+training. The verdict names the algorithm with the lowest median time to the target only when
+its range (fastest to slowest run) lies wholly below the next one's; otherwise it says they are
+level within noise.
 
     python -m experiments.compare                    # about 10 minutes on 2 CPU cores
     python -m experiments.compare --quick            # a reduced run (CI)
@@ -10,13 +15,15 @@ PowerSGD hook and SparDL, each for the same training-time budget, on links shape
 Every run is one `python -m experiments.main_trainer` (the training CLI) with the same recipe;
 only the synchronisation differs. Evaluation (every --eval-every steps, 2,000 test images) is
 not counted as training time. Without root (no network namespaces) it runs on loopback and
-says so. Writes OUT/results.json, OUT/accuracy_vs_time.png and each run's logs under OUT/NAME/.
+says so. Writes OUT/results.json, OUT/accuracy_vs_time.png (every run thin, each algorithm's
+median curve with its min-max band) and each run's logs under OUT/NAME/seedS/.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -106,8 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--time-budget", type=float, default=120.0, help="training seconds per algorithm")
-    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--time-budget", type=float, default=60.0, help="training seconds per run at most")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each algorithm (seeds from --seed)")
+    p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--target-accuracy", type=float, default=0.80)
     p.add_argument("--train-samples", type=int, default=None)
     p.add_argument("--test-samples", type=int, default=2000)
@@ -123,12 +131,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.train_samples, args.test_samples = 2000, 500
         args.max_epochs, args.max_steps = 1, 12
         args.eval_every, args.time_budget, args.target_accuracy = 6, None, 0.3
+        args.repeats = 2
     args.algorithms = [a for a in args.algorithms.split(",") if a]
     unknown = sorted(set(args.algorithms) - set(ALGORITHMS))
     if unknown:
         p.error(f"unknown algorithm(s) {unknown}; valid: {', '.join(ALGORITHMS)}")
     if args.bandwidth == "none":
         args.bandwidth = None
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     return args
 
 
@@ -153,13 +164,16 @@ def algorithm_options(name: str, warmup: bool = True) -> list[str]:
     return [*ALGORITHMS[name], *([] if warmup else STEADY)]
 
 
-def trainer_command(args: argparse.Namespace, name: str, out: Path, rate: str | None) -> list[str]:
+def trainer_command(args: argparse.Namespace, name: str, out: Path, rate: str | None,
+                    seed: int | None = None) -> list[str]:
+    """The training CLI's command for one run of `name` (seed --seed unless given)."""
     cmd = [sys.executable, "-m", "experiments.main_trainer", "--dnn", args.dnn,
            "--dataset", args.dataset, "--nworkers", str(args.workers),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-           "--density", str(args.density), "--max-epochs", str(args.max_epochs), "--seed", str(args.seed),
+           "--density", str(args.density), "--max-epochs", str(args.max_epochs),
+           "--seed", str(args.seed if seed is None else seed),
            "--eval-every", str(args.eval_every), "--test-samples", str(args.test_samples),
-           "--target-accuracy", str(args.target_accuracy), "--out", str(out),
+           "--target-accuracy", str(args.target_accuracy), "--stop-at-target", "--out", str(out),
            *algorithm_options(name)]
     for option, value in (("--time-budget", args.time_budget), ("--bandwidth", rate),
                           ("--train-samples", args.train_samples), ("--max-steps", args.max_steps)):
@@ -168,24 +182,26 @@ def trainer_command(args: argparse.Namespace, name: str, out: Path, rate: str | 
     return cmd
 
 
-def run_one(args: argparse.Namespace, name: str, out: Path, rate: str | None) -> None:
+def run_one(args: argparse.Namespace, name: str, out: Path, rate: str | None, seed: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     with open(out / "output.log", "w") as log:
-        done = subprocess.run(trainer_command(args, name, out, rate), cwd=ROOT, env=env,
+        done = subprocess.run(trainer_command(args, name, out, rate, seed), cwd=ROOT, env=env,
                               stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
-        raise SystemExit(f"{name} failed (exit {done.returncode}); its output:\n"
+        raise SystemExit(f"{name} seed {seed} failed (exit {done.returncode}); its output:\n"
                          + (out / "output.log").read_text()[-4000:])
 
 
-def summarise(name: str, out: Path, workers: int) -> dict[str, Any]:
+def summarise(name: str, out: Path, workers: int, seed: int) -> dict[str, Any]:
+    """One run's figures: accuracies, time and steps to the target, step time, bytes, whether
+    every worker ended with the same parameters, and its accuracy curve."""
     log = read_log(out)
     evals, run = log["eval"], log["run"][0]
     finals = [torch.load(out / f"final-rank{r}.pt", weights_only=True)["params"]
               for r in range(workers)]
-    return {"algorithm": name, "label": LABELS[name],
+    return {"algorithm": name, "label": LABELS[name], "seed": seed,
             "final_test_accuracy": evals[-1]["test_accuracy"],
             "best_test_accuracy": max(e["test_accuracy"] for e in evals),
             "time_to_target_s": run["time_to_target_s"], "steps_to_target": run["steps_to_target"],
@@ -199,15 +215,75 @@ def summarise(name: str, out: Path, workers: int) -> dict[str, Any]:
             "curve": [[e["train_s"], e["test_accuracy"]] for e in evals]}
 
 
-def plot(results: list[dict], path: Path, title: str, target: float) -> None:
+def group(runs: list[dict]) -> list[dict]:
+    """Per algorithm, in the order first run: its runs, how many reached the target, and the
+    median, fastest and slowest time to it over those that did."""
+    names = list(dict.fromkeys(r["algorithm"] for r in runs))
+    out = []
+    for name in names:
+        mine = [r for r in runs if r["algorithm"] == name]
+        times = sorted(r["time_to_target_s"] for r in mine if r["time_to_target_s"] is not None)
+        out.append({"algorithm": name, "label": mine[0]["label"], "runs": mine,
+                    "reached": len(times),
+                    "median_s": statistics.median(times) if times else None,
+                    "min_s": times[0] if times else None, "max_s": times[-1] if times else None,
+                    "s_per_step": statistics.median(r["s_per_step"] for r in mine)})
+    return out
+
+
+def verdict(groups: list[dict], target: float) -> str:
+    """Who reaches the target first, in plain words: a winner only when its slowest run is
+    faster than the next algorithm's fastest (ranges that do not overlap), else 'level within
+    noise'. Algorithms that missed the target in some run rank after those that never did."""
+    ranked = sorted((g for g in groups if g["reached"]),
+                    key=lambda g: (g["reached"] < len(g["runs"]), g["median_s"]))
+    if not ranked:
+        return f"No run reached test accuracy {target:.2f} within its budget."
+
+    def spread(g: dict) -> str:
+        return (f"median {g['median_s']:.1f} s, {g['min_s']:.1f}-{g['max_s']:.1f} over "
+                f"{g['reached']} of {len(g['runs'])} runs")
+
+    best = ranked[0]
+    if len(ranked) == 1:
+        line = f"Only {best['label']} reached {target:.2f} ({spread(best)})"
+    elif best["max_s"] < ranked[1]["min_s"] and best["reached"] == len(best["runs"]):
+        nxt = ranked[1]
+        line = (f"{best['label']} reached {target:.2f} first ({spread(best)}); "
+                f"{nxt['label']} took {nxt['median_s'] / best['median_s']:.2f}x as long "
+                f"({spread(nxt)}): the ranges do not overlap")
+    else:
+        nxt = ranked[1]
+        line = (f"{best['label']} and {nxt['label']} are level within noise in reaching "
+                f"{target:.2f}: {best['label']} {spread(best)}, {nxt['label']} {spread(nxt)}; "
+                "the ranges overlap")
+    for g in ranked[2:]:
+        line += f"; {g['label']} {spread(g)}"
+    missed = [g["label"] for g in groups if not g["reached"]]
+    if missed:
+        line += f"; {', '.join(missed)} did not reach it within the budget"
+    return line + "."
+
+
+def plot(groups: list[dict], path: Path, title: str, target: float) -> None:
+    """Every run's accuracy against training seconds (thin), and per algorithm the median of
+    its runs with their min-max band, up to the earliest end of its runs."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for r in results:
-        xs, ys = zip(*r["curve"])
-        ax.plot(xs, ys, marker=".", label=f"{r['label']} ({r['steps']} steps)")
+    for g, color in zip(groups, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
+        curves = [np.array(r["curve"]) for r in g["runs"]]
+        for c in curves:
+            ax.plot(c[:, 0], c[:, 1], color=color, alpha=0.3, linewidth=0.8)
+        end = min(c[-1, 0] for c in curves)
+        grid = np.linspace(0.0, end, 100)
+        ys = np.array([np.interp(grid, c[:, 0], c[:, 1]) for c in curves])
+        ax.plot(grid, np.median(ys, axis=0), color=color,
+                label=f"{g['label']} (median of {len(curves)})")
+        ax.fill_between(grid, ys.min(axis=0), ys.max(axis=0), color=color, alpha=0.15)
     ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.2f}")
     ax.set_xlabel("training seconds (evaluation excluded)")
     ax.set_ylabel("test accuracy")
@@ -218,33 +294,22 @@ def plot(results: list[dict], path: Path, title: str, target: float) -> None:
     plt.close(fig)
 
 
-def verdict(results: list[dict], target: float) -> str:
-    """Who reached the target first, in plain words, and by how much."""
-    reached = sorted((r for r in results if r["time_to_target_s"] is not None),
-                     key=lambda r: r["time_to_target_s"])
-    if not reached:
-        return f"No run reached test accuracy {target:.2f} within its budget."
-    best = reached[0]
-    line = f"{best['label']} reached {target:.2f} first, after {best['time_to_target_s']:.1f} s"
-    for r in reached[1:]:
-        line += f"; {r['label']} took {r['time_to_target_s'] / best['time_to_target_s']:.2f}x as long"
-    missed = [r["label"] for r in results if r["time_to_target_s"] is None]
-    if missed:
-        line += f"; {', '.join(missed)} did not reach it within the budget"
-    return line + "."
-
-
-def table(results: list[dict]) -> str:
-    lines = [f"{'algorithm':<22}{'final acc':>10}{'best acc':>9}{'to target s':>12}{'steps':>7}"
-             f"{'s/step':>8}{'MB/step':>9}{'wire MB':>9}{'vs DDP':>8}{'replicas':>10}"]
-    for r in results:
-        to_target = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else "-"
-        wire = f"{r['wire_bytes_per_step_run'] / 1e6:.3f}" if r["wire_bytes_per_step_run"] else "-"
-        lines.append(f"{r['label']:<22}{r['final_test_accuracy']:>10.4f}{r['best_test_accuracy']:>9.4f}"
-                     f"{to_target:>12}{r['steps']:>7}{r['s_per_step']:>8.3f}"
-                     f"{r['bytes_per_step_final'] / 1e6:>9.3f}{wire:>9}"
-                     f"{r['bytes_per_step_final'] / r['dense_bytes_per_step']:>8.4f}"
-                     f"{'identical' if r['identical_replicas'] else 'DIFFER':>10}")
+def table(groups: list[dict]) -> str:
+    """One row per algorithm: time to the target (median and range), runs that reached it,
+    median step time, bytes per step at the end and against DDP's, and the replicas check."""
+    lines = [f"{'algorithm':<22}{'to target s':>12}{'range s':>13}{'reached':>9}{'s/step':>8}"
+             f"{'MB/step':>9}{'vs DDP':>8}{'best acc':>10}{'replicas':>10}"]
+    for g in groups:
+        runs = g["runs"]
+        median = f"{g['median_s']:.1f}" if g["reached"] else "-"
+        span = f"{g['min_s']:.1f}-{g['max_s']:.1f}" if g["reached"] else "-"
+        sent = statistics.median(r["bytes_per_step_final"] for r in runs)
+        best = statistics.median(r["best_test_accuracy"] for r in runs)
+        same = all(r["identical_replicas"] for r in runs)
+        lines.append(f"{g['label']:<22}{median:>12}{span:>13}{g['reached']:>4} of {len(runs):<2}"
+                     f"{g['s_per_step']:>8.3f}{sent / 1e6:>9.3f}"
+                     f"{sent / runs[0]['dense_bytes_per_step']:>8.4f}{best:>10.4f}"
+                     f"{'identical' if same else 'DIFFER':>10}")
     return "\n".join(lines)
 
 
@@ -254,23 +319,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     rate, net_line = network(args)
     print(net_line, flush=True)
-    results = []
-    for name in args.algorithms:
-        print(f"training with {LABELS[name]} ...", flush=True)
-        run_one(args, name, out / name, rate)
-        results.append(summarise(name, out / name, args.workers))
+    runs = []
+    for seed in range(args.seed, args.seed + args.repeats):
+        for name in args.algorithms:  # in turns, so that drift falls on every algorithm alike
+            print(f"training with {LABELS[name]}, seed {seed} ...", flush=True)
+            run_one(args, name, out / name / f"seed{seed}", rate, seed)
+            runs.append(summarise(name, out / name / f"seed{seed}", args.workers, seed))
+    groups = group(runs)
     title = (f"{args.dnn}, {args.dataset}, {args.workers} workers, "
-             f"{'links ' + rate if rate else 'loopback'}, batch {args.batch_size}/worker")
-    plot(results, out / "accuracy_vs_time.png", title, args.target_accuracy)
-    said = verdict(results, args.target_accuracy)
+             f"{'links ' + rate if rate else 'loopback'}, batch {args.batch_size}/worker, "
+             f"{args.repeats} runs each")
+    plot(groups, out / "accuracy_vs_time.png", title, args.target_accuracy)
+    said = verdict(groups, args.target_accuracy)
     (out / "results.json").write_text(json.dumps(
         {"config": {**vars(args), "network": rate or "loopback"}, "verdict": said,
-         "results": results}, indent=1))
-    print(f"\n{title}; MB/step: payload per worker at the end (after any warm-up), wire: bytes "
-          "that crossed each worker's link, headers included, whole run\n")
-    print(table(results))
+         "results": runs,
+         "summary": [{k: v for k, v in g.items() if k != "runs"} for g in groups]}, indent=1))
+    print(f"\n{title}; runs stop at the target; MB/step: payload per worker at the end of a run "
+          "(after any warm-up), median over runs\n")
+    print(table(groups))
     print(f"\n{said}\n\nresults: {out / 'results.json'}  plot: {out / 'accuracy_vs_time.png'}")
-    return results
+    return runs
 
 
 if __name__ == "__main__":

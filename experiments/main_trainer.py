@@ -252,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="log the training time at which test accuracy first reaches this")
     p.add_argument("--time-budget", type=float, default=None,
                    help="stop at the first evaluation after this many seconds of training")
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="stop at the first evaluation that reaches --target-accuracy")
     if known.config:
         p.set_defaults(**load_config(known.config, p))
     args = p.parse_args(argv)
@@ -269,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             or (args.density_warmup or 0) < 0 or args.checkpoint_every < 0:
         p.error("--nworkers and --batch-size must be >= 1, --max-epochs, --density-warmup, "
                 "--eval-every and --checkpoint-every >= 0")
+    if args.stop_at_target and args.target_accuracy is None:
+        p.error("--stop-at-target needs --target-accuracy")
     if not 0 < args.density_warmup_start <= 1:
         p.error(f"--density-warmup-start must be in (0, 1], got {args.density_warmup_start}")
     if args.grace_config is not None:
@@ -760,7 +764,8 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         if rank == 0:
             train_s = clock.stop()
             loss, acc = evaluate(model, test_images, test_labels)
-            stop = args.time_budget is not None and train_s >= args.time_budget
+            stop = (args.time_budget is not None and train_s >= args.time_budget) or \
+                (args.stop_at_target and acc >= args.target_accuracy)
             figures = torch.tensor([loss, acc, float(stop), train_s], dtype=torch.float64)
         else:
             clock.stop()
