@@ -7,7 +7,7 @@ training. The verdict names the algorithm with the lowest median time to the tar
 its range (fastest to slowest run) lies wholly below the next one's; otherwise it says they are
 level within noise.
 
-    python -m experiments.compare                    # about 10 minutes on 2 CPU cores
+    python -m experiments.compare                    # about 14 minutes on 2 CPU cores
     python -m experiments.compare --quick            # a reduced run (CI)
     python -m experiments.compare --algorithms ddp,spardl,powersgd1,powersgd4,topka
     python -m experiments.compare --dnn lstmimdb --dataset tweets --target-accuracy 0.65  # text
