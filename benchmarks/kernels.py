@@ -23,6 +23,7 @@ from benchmarks.comm import machine, write_json
 from benchmarks.comm_worker import synchronize
 from deepreduce_compat.codec import codec_from_params
 from spardl_grace.selection import count_for_ratio, topk_abs
+from spardl_grace.compact import CompactCodec
 from spardl_grace.payload import IdentityCodec
 
 
@@ -74,7 +75,7 @@ def run(device: torch.device, numel: int, density: float, repeat: int) -> dict[s
         "scatter k into zeros": (lambda: torch.zeros_like(x).index_put_((idx,), vals), n_bytes + k_bytes),
         "scatter-add k": (lambda: x.index_add_(0, idx, torch.zeros_like(vals)), k_bytes + 2 * 4 * k),
     }
-    codecs = {"identity": IdentityCodec(),
+    codecs = {"identity": IdentityCodec(), "compact": CompactCodec(),
               "delta": codec_from_params({"deepreduce": "index", "index": "delta"}),
               "fp16": codec_from_params({"deepreduce": "value", "value": "fp16"}),
               "qsgd": codec_from_params({"deepreduce": "value", "value": "qsgd"})}
