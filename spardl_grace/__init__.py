@@ -9,7 +9,7 @@ ddp.register_comm_hook(CommHookState(grc, ddp), comm_hook)         # DDP
 """
 
 from .api import Communicator, Compressor, Memory, SparseAllreduce, Synchronizer
-from .broadcast import broadcast_parameters
+from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ddp import CommHookState, comm_hook
 from .grace_dl_compat import register_with_grace_dl
 from .optimizer import DistributedOptimizer
@@ -38,6 +38,8 @@ __all__ = [
     "TransportError",
     "TransportTimeout",
     "__version__",
+    "broadcast_object",
+    "broadcast_optimizer_state",
     "broadcast_parameters",
     "comm_hook",
     "grace_from_params",

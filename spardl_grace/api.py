@@ -52,6 +52,10 @@ class Compressor(ABC):
     `tensors_size_are_same`: whether every worker's compressed tensors have the same shapes
     (needed by all-reduce; all-gather handles either)."""
 
+    #: keys of state_dict() that belong to one rank (a momentum of its own gradients), left out
+    #: of what another rank may take over (Synchronizer.shared_state_dict)
+    RANK_LOCAL_STATE: tuple[str, ...] = ()
+
     def __init__(self, average: bool = True, tensors_size_are_same: bool = True):
         self.average = average
         self.tensors_size_are_same = tensors_size_are_same
@@ -289,6 +293,9 @@ class Synchronizer(ABC):
     #: attributes that differ between ranks by design (a rank's place in a schedule), left out
     #: of the fingerprint the ranks agree on
     RANK_LOCAL: tuple[str, ...] = ()
+    #: keys of this communicator's own state that belong to one rank (estimates from its own
+    #: gradients), left out of shared_state_dict()
+    RANK_LOCAL_STATE: tuple[str, ...] = ()
 
     def __init__(self, memory: Memory, transport: Transport | int | None = None):
         _check_protocol(memory, "memory", ("compensate",))
@@ -413,6 +420,28 @@ class Synchronizer(ABC):
             if callable(load):
                 load(state.get(key, {}))
         self._load_own_state(state.get("communicator", {}))
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """state_dict() without what belongs to this rank alone: the memory (residuals,
+        velocities) and each part's RANK_LOCAL_STATE keys. What is left (step counters,
+        schedules, thresholds computed from every rank's data) is the same on every rank, so a
+        rank starting afresh may take it from another (spardl_grace.broadcast_optimizer_state)."""
+        state = self.state_dict()
+        del state["memory"]
+        for key, part in {**self._parts(), "communicator": self}.items():
+            for local in getattr(part, "RANK_LOCAL_STATE", ()):
+                state[key].pop(local, None)
+        return state
+
+    def load_shared_state_dict(self, shared: dict[str, Any]) -> None:
+        """Take another rank's shared_state_dict(), keeping this rank's memory and rank-local
+        state."""
+        own = self.state_dict()
+        merged = {
+            key: {**own[key], **shared[key]} if isinstance(own.get(key), dict) else shared[key]
+            for key in shared
+        }
+        self.load_state_dict({**own, **merged})
 
     def _own_state(self) -> dict[str, Any]:
         return {}

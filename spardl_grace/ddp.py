@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .api import Synchronizer
-from .sync import Bucket, GradientSync, settle
+from .sync import FIRST_STEP_TIMEOUT_S, Bucket, GradientSync, settle
 
 
 class CommHookState:
@@ -44,7 +44,8 @@ class CommHookState:
     key the residuals. dense_warmup_steps: the first iterations are synchronised dense.
     min_numel: buckets with fewer entries are always synchronised dense. overlap: synchronise
     on a communication thread while backward goes on (off, or with an MPI library without
-    MPI_THREAD_MULTIPLE, the hook synchronises before it returns)."""
+    MPI_THREAD_MULTIPLE, the hook synchronises before it returns). first_step_timeout: the
+    first iteration waits at most this many seconds (60) for the other ranks."""
 
     def __init__(
         self,
@@ -53,6 +54,7 @@ class CommHookState:
         dense_warmup_steps: int = 0,
         min_numel: int = 0,
         overlap: bool = True,
+        first_step_timeout: float = FIRST_STEP_TIMEOUT_S,
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -64,7 +66,9 @@ class CommHookState:
         named = list(inner.named_parameters())
         self.names = {p: n for n, p in named}
         self.position = {p: i for i, (_, p) in enumerate(named)}
-        self.sync = GradientSync(grace, dense_warmup_steps, min_numel, overlap, "spardl-ddp-comm")
+        self.sync = GradientSync(
+            grace, dense_warmup_steps, min_numel, overlap, "spardl-ddp-comm", first_step_timeout
+        )
 
     def canonical(self, params: list[torch.Tensor]) -> tuple[Bucket, list[int]]:
         """The bucket of `params` in reverse registration order, and that order as indices

@@ -17,6 +17,7 @@ deadlock. step() waits for the results, writes the averages into .grad, and step
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -26,20 +27,36 @@ import torch
 from .api import Synchronizer, communication_dtype
 from .buffers import BufferPool
 from .fusion import assign_grads, flatten_grads
-from .sync import Bucket, GradientSync
+from .horovod_compat import (
+    check_compression,
+    check_process_set,
+    compression_name,
+    default_grace,
+    parameter_groups,
+    scale_factors,
+)
+from .sync import FIRST_STEP_TIMEOUT_S, Bucket, GradientSync
 
 
 def plan_buckets(
-    named: list[tuple[str, torch.nn.Parameter]], bucket_cap_mb: float | None
+    named: list[tuple[str, torch.nn.Parameter]],
+    bucket_cap_mb: float | None,
+    explicit: list[list[torch.nn.Parameter]] | None = None,
 ) -> list[list[tuple[str, torch.nn.Parameter]]]:
     """Parameters grouped into buckets: in reverse order (the order backward produces their
     gradients, and DDP's), one group per (device, communication dtype), each group cut into
-    buckets of at most bucket_cap_mb megabytes (None: one bucket per group)."""
+    buckets of at most bucket_cap_mb megabytes (None: one bucket per group). `explicit`
+    (Horovod's groups): one bucket per group and (device, dtype) instead, the bucket whose
+    last parameter comes latest first."""
+    if explicit is not None:
+        return _explicit_buckets(named, explicit)
     groups: dict[tuple[Any, torch.dtype], list] = {}
     for name, p in reversed(named):
         groups.setdefault((p.device, communication_dtype(p.dtype)), []).append((name, p))
     if bucket_cap_mb is None:
         return list(groups.values())
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0 or None (one bucket), got {bucket_cap_mb!r}")
     cap = bucket_cap_mb * 2**20
     buckets = []
     for (_, dtype), members in groups.items():
@@ -54,6 +71,22 @@ def plan_buckets(
             size += p.numel() * itemsize
         buckets.append(current)
     return buckets
+
+
+def _explicit_buckets(
+    named: list[tuple[str, torch.nn.Parameter]], explicit: list[list[torch.nn.Parameter]]
+) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    position = {p: i for i, (_, p) in enumerate(named)}
+    buckets: list[list[tuple[str, torch.nn.Parameter]]] = []
+    for group in explicit:
+        members = sorted((p for p in group if p in position), key=lambda p: -position[p])
+        split: dict[tuple[Any, torch.dtype], list] = {}
+        for p in members:
+            split.setdefault((p.device, communication_dtype(p.dtype)), []).append(
+                (named[position[p]][0], p)
+            )
+        buckets.extend(split.values())
+    return sorted(buckets, key=lambda bucket: -position[bucket[0][1]])
 
 
 def _named(
@@ -85,6 +118,14 @@ def _named(
     return [(by_param[p], p) for p in in_optimizer if p.requires_grad]
 
 
+SYNCHRONIZED_TWICE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). The gradients were averaged once, by synchronize(); step() does "
+    "not synchronise them again (Horovod's own optimizer would, at the cost of a second "
+    "all-reduce). Use optimizer.skip_synchronize() around step() after synchronize()."
+)
+
+
 class _BucketSlot:
     def __init__(self, members: list[tuple[str, torch.nn.Parameter]]):
         self.params = [p for _, p in members]
@@ -103,22 +144,26 @@ class _DistributedOptimizer:
         grace: Synchronizer,
         named,
         backward_passes_per_step: int,
-        bucket_cap_mb: float | None,
+        buckets: list[list[tuple[str, torch.nn.Parameter]]],
         dense_warmup_steps: int,
         min_numel: int,
         overlap: bool,
+        first_step_timeout: float,
+        scale: tuple[float, float] = (1.0, 1.0),
+        sparse_as_dense: bool = False,
     ) -> None:
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(
                 f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
             )
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise ValueError(
-                f"bucket_cap_mb must be > 0 or None (one bucket), got {bucket_cap_mb!r}"
-            )
-        self._sync = GradientSync(grace, dense_warmup_steps, min_numel, overlap, "spardl-comm")
+        self._sync = GradientSync(
+            grace, dense_warmup_steps, min_numel, overlap, "spardl-comm", first_step_timeout
+        )
         self.backward_passes_per_step = backward_passes_per_step
-        self._slots = [_BucketSlot(m) for m in plan_buckets(named, bucket_cap_mb)] if named else []
+        self._slots = [_BucketSlot(m) for m in buckets]
+        self._scale_before, self._scale_after = scale
+        self._sparse_as_dense = sparse_as_dense
+        self._was_sparse: set[torch.nn.Parameter] = set()
         self._slot_of = {p: i for i, slot in enumerate(self._slots) for p in slot.params}
         self._names = {p: n for n, p in named}
         self._passes = dict.fromkeys(self._slot_of, 0)
@@ -168,6 +213,7 @@ class _DistributedOptimizer:
             self._launch(slot)
 
     def _launch(self, slot: _BucketSlot) -> None:
+        self._densify(slot)
         out = (
             self._flat_pool.take(
                 slot.bucket.key, slot.bucket.numel, slot.dtype, slot.params[0].device
@@ -176,7 +222,35 @@ class _DistributedOptimizer:
             else None
         )
         flat = flatten_grads(slot.params, slot.dtype, out)
+        if self._scale_before != 1.0:
+            flat.mul_(self._scale_before)
         self._pending.append(self._sync.submit(flat, slot.bucket))
+
+    def _densify(self, slot: _BucketSlot) -> None:
+        """Sparse gradients (nn.Embedding(sparse=True)) made dense for the synchronisation
+        with sparse_as_dense, and made sparse again after it, as Horovod does; ValueError
+        without it."""
+        for p in slot.params:
+            if p.grad is None or p.grad.layout == torch.strided:
+                continue
+            if not self._sparse_as_dense:
+                raise ValueError(
+                    f"the gradient of '{self._names[p]}' is sparse (an nn.Embedding with "
+                    "sparse=True): pass sparse_as_dense=True to synchronise it dense, as with "
+                    "Horovod's sparse_as_dense (spardl_grace does not all-gather sparse "
+                    "gradients)"
+                )
+            p.grad = p.grad.to_dense()
+            self._was_sparse.add(p)
+
+    def _finish(self, slot: _BucketSlot, result: torch.Tensor) -> None:
+        """The bucket's synchronised gradients into .grad, in Horovod's scale for its op."""
+        assign_grads(slot.params, result)
+        for p in slot.params:
+            if self._scale_after != 1.0:
+                cast(torch.Tensor, p.grad).mul_(self._scale_after)
+            if p in self._was_sparse:
+                p.grad = cast(torch.Tensor, p.grad).to_sparse()
 
     def synchronize(self) -> None:
         """Finish this step's communication and write the averaged gradients into .grad.
@@ -187,9 +261,10 @@ class _DistributedOptimizer:
         try:
             self._sync.wait_queued()  # within the transport's timeout, unlike future.wait()
             for slot, future in zip(self._slots, self._pending):
-                assign_grads(slot.params, future.wait())
+                self._finish(slot, future.wait())
         finally:
             self._pending = []
+            self._was_sparse = set()
             for slot in self._slots:
                 slot.ready = 0
             self._passes = dict.fromkeys(self._passes, 0)
@@ -207,11 +282,42 @@ class _DistributedOptimizer:
             self._should_synchronize = True
 
     def step(self, closure=None):
-        if self._should_synchronize and not self._synchronized:
-            self.synchronize()
+        """Synchronise (unless synchronize() already did, or inside skip_synchronize()) and
+        step. A step on an optimizer without state, after no backward pass, with every
+        gradient zero, is how Horovod's broadcast_optimizer_state creates the state on the
+        ranks that have none while the others wait for it: that step does not synchronise and
+        leaves the parameters as they were (see _creates_state)."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(SYNCHRONIZED_TWICE, stacklevel=2)
+            elif self._creates_state():
+                return self._create_state(closure)
+            else:
+                self.synchronize()
         self._synchronized = False
         # The wrapped optimizer's class follows this mixin in the MRO (see DistributedOptimizer).
         return super().step(closure)  # type: ignore[misc]
+
+    def _creates_state(self) -> bool:
+        """Whether this step() only creates the optimizer's state: Horovod's
+        broadcast_optimizer_state fills zero gradients and calls step() on the ranks whose
+        optimizer has no state, and only there (its own optimizer skips its all-reduce; with
+        ours the other ranks would wait forever). Such a step has no state yet, no backward
+        pass since the last step, and zero gradients, so its average is zero everywhere."""
+        if self.state or self._pending or any(self._passes.values()):  # type: ignore[attr-defined]
+            return False
+        return all(p.grad is None or not p.grad.any() for p in self._slot_of)
+
+    def _create_state(self, closure):
+        """The wrapped optimizer's step on the zero gradients, creating its state, with the
+        parameters put back (weight decay would move them on these ranks only)."""
+        before = [p.detach().clone() for p in self._slot_of]
+        # The wrapped optimizer's class follows this mixin in the MRO (see DistributedOptimizer).
+        result = super().step(closure)  # type: ignore[misc]
+        with torch.no_grad():
+            for p, kept in zip(self._slot_of, before):
+                p.copy_(kept)
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pending:
@@ -249,44 +355,77 @@ def _check_momentum(optimizer: torch.optim.Optimizer, grace: Synchronizer) -> No
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
-    grace: Synchronizer | None = None,
+    grace: Synchronizer | Iterable[tuple[str, torch.nn.Parameter]] | None = None,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
     backward_passes_per_step: int = 1,
+    *,
+    compression: Any = None,
+    op: int | None = None,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: int | list[list[torch.Tensor]] | None = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
     bucket_cap_mb: float | None = None,
     dense_warmup_steps: int = 0,
     min_numel: int = 0,
     overlap: bool = True,
+    first_step_timeout: float = FIRST_STEP_TIMEOUT_S,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() applies gradients averaged over all ranks by `grace`.
 
     The result is an instance of a subclass of the optimizer's own class sharing its state,
-    so learning-rate schedulers and optimizer.state_dict() work unchanged. GRACE's positional
-    form DistributedOptimizer(optimizer, grc, named_parameters=...) is accepted.
+    so learning-rate schedulers and optimizer.state_dict() work unchanged. The call forms of
+    Horovod 0.28 (DistributedOptimizer(optimizer, named_parameters=..., compression=..., op=...,
+    ...), or named_parameters second) and of GRACE (DistributedOptimizer(optimizer, grc,
+    named_parameters=...), or grace=grc) are accepted as they are.
 
-    grace: a communicator from grace_from_params(...).
+    grace: a communicator from grace_from_params(...); None: SparDL at density 0.01
+        (horovod_compat.DEFAULT_PARAMS) on the active backend.
     named_parameters: model.named_parameters(); names key the residuals in checkpoints.
     backward_passes_per_step: backward passes whose gradients are summed locally before one
         synchronisation.
+    compression, op, gradient_predivide_factor, num_groups, groups, sparse_as_dense,
+        process_set: Horovod's keywords with Horovod's meaning (spardl_grace.horovod_compat):
+        Compression.none or .fp16 (16-bit values on the wire), hvd.Average or hvd.Sum, the
+        predivide split of the average, explicit groups as buckets, sparse gradients made
+        dense, the global process set only; anything else raises ValueError naming the valid
+        choices.
     bucket_cap_mb: fuse gradients into buckets of at most this size (None: one bucket per
-        device and dtype, the whole model).
+        device and dtype, the whole model); not with groups.
     dense_warmup_steps: the first steps are synchronised dense.
     min_numel: buckets smaller than this are synchronised dense.
     overlap: communicate from a background thread while backward goes on (off automatically
         for an MPI library without thread support).
+    first_step_timeout: the first step in this process waits at most this many seconds (60)
+        for the other ranks, so a step that only some ranks take fails fast (TransportTimeout);
+        later steps wait the transport's timeout.
     """
-    if grace is None:
-        raise ValueError(
-            "DistributedOptimizer needs a grace communicator: "
-            "DistributedOptimizer(optimizer, grace_from_params(params), ...)"
-        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer")
+    if grace is not None and not isinstance(grace, Synchronizer):
+        if named_parameters is not None:
+            raise TypeError(
+                f"the second argument must be a grace communicator (grace_from_params(...)), "
+                f"got {type(grace).__name__}"
+            )
+        grace, named_parameters = None, grace  # Horovod's DistributedOptimizer(opt, named)
+    check_process_set(process_set)
+    wire = compression_name(compression)
+    if grace is None:
+        grace = default_grace(wire)
+    check_compression(wire, grace)
+    before, after = scale_factors(op, gradient_predivide_factor, grace.world_size)
+    if groups is not None or num_groups:
+        if bucket_cap_mb is not None:
+            raise ValueError("pass groups (Horovod's) or bucket_cap_mb, not both")
     _check_momentum(optimizer, grace)
     named = _named(optimizer, named_parameters)
+    explicit = parameter_groups(groups, num_groups, [p for _, p in named])
     cls: type[_DistributedOptimizer] = type(
         optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {}
     )
@@ -298,9 +437,12 @@ def DistributedOptimizer(
         grace,
         named,
         backward_passes_per_step,
-        bucket_cap_mb,
+        plan_buckets(named, bucket_cap_mb, explicit) if named else [],
         dense_warmup_steps,
         min_numel,
         overlap,
+        first_step_timeout,
+        (before, after),
+        sparse_as_dense,
     )
     return cast(torch.optim.Optimizer, wrapped)  # cls derives from the optimizer's own class

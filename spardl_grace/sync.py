@@ -36,9 +36,12 @@ from .api import (
 )
 from .communicators.dense import Dense
 from .memories.none import NoneMemory
-from .transport.base import QueuedOp
+from .transport.base import QueuedOp, TransportTimeout, timeout_at_most
 
 T = TypeVar("T")
+
+#: how long the first synchronisation of a bucket in a process waits for the other ranks
+FIRST_STEP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,11 @@ class GradientSync:
     batch) leaves the memory as it was, instead of poisoning the residuals for good.
     dense_warmup_steps: the first steps are plain dense averages (no selection, residuals
     untouched), as DGC-style warm-up. min_numel: buckets smaller than this are always sent
-    dense (a few tiny tensors do not repay selection and headers). overlap: synchronise on a
+    dense (a few tiny tensors do not repay selection and headers). first_step_timeout: the
+    first synchronisation of each bucket in this process (the first step after a start or
+    restart) waits at most this long (FIRST_STEP_TIMEOUT_S, 60 s) for the other ranks to join
+    its layout check, rather than the transport's timeout, so a step that only some ranks take
+    fails fast on those ranks (TransportTimeout naming the bucket). overlap: synchronise on a
     communication thread (off, or with an MPI library without MPI_THREAD_MULTIPLE, submit()
     synchronises before it returns a completed future).
 
@@ -180,6 +187,7 @@ class GradientSync:
         min_numel: int = 0,
         overlap: bool = True,
         thread_name: str = "spardl-comm",
+        first_step_timeout: float = FIRST_STEP_TIMEOUT_S,
     ):
         if not isinstance(grace, Synchronizer):
             raise TypeError(
@@ -189,6 +197,11 @@ class GradientSync:
         for what, value in (("dense_warmup_steps", dense_warmup_steps), ("min_numel", min_numel)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+        if isinstance(first_step_timeout, bool) or not (
+            isinstance(first_step_timeout, (int, float)) and first_step_timeout > 0
+        ):
+            raise ValueError(f"first_step_timeout must be > 0 seconds, got {first_step_timeout!r}")
+        self.first_step_timeout = float(first_step_timeout)
         self.grace = grace
         grace.reuse_results = True  # each result is copied into the gradients before the next step
         self.dense = Dense(NoneMemory(), grace.transport)
@@ -323,20 +336,47 @@ class GradientSync:
             return result
 
     def _check_bucket(self, flat: torch.Tensor, bucket: Bucket) -> None:
-        """ValueError if `flat` is not the bucket's flat buffer; the first time, the ranks
-        agree on the bucket's layout (the communicator checks its total size; the layout
-        inside must match too)."""
+        """ValueError if `flat` is not the bucket's flat buffer; the first time in this
+        process, the ranks agree on the bucket's layout (the communicator checks its total
+        size; the layout inside must match too) and on the step their compression states are
+        at, so ranks that resumed different compression states all raise at once."""
         if flat.dim() != 1 or flat.numel() != bucket.numel:
             raise ValueError(
                 f"bucket {bucket.key} holds {bucket.numel} entries, "
                 f"got a buffer of shape {tuple(flat.shape)}"
             )
         if bucket not in self._agreed:
-            agree(
-                self.grace.transport,
-                f"the layout of bucket {bucket.key}",
-                {"parameters": list(bucket.names), "numels": list(bucket.numels)},
-            )
+            transport = self.grace.transport
+            try:
+                with timeout_at_most(transport, self.first_step_timeout):
+                    agree(
+                        transport,
+                        f"the layout of bucket {bucket.key}",
+                        {
+                            "parameters": list(bucket.names),
+                            "numels": list(bucket.numels),
+                            "compression_state_step": self.steps,
+                        },
+                    )
+            except ValueError as exc:
+                if "compression_state_step" not in str(exc):
+                    raise
+                raise ValueError(
+                    f"{exc}. The ranks resumed compression states of different steps (rank 0 "
+                    "alone loaded one?): restore every rank's own, or none, or call "
+                    "spardl_grace.broadcast_optimizer_state(optimizer, root_rank) after "
+                    "loading, which gives fresh ranks root's step"
+                ) from exc
+            except TransportTimeout as exc:
+                raise TransportTimeout(
+                    f"rank {transport.rank}: the first synchronisation of bucket {bucket.key} "
+                    f"(in this process: after a start or restart) waited "
+                    f"{min(transport.timeout, self.first_step_timeout):.0f} s for ranks that "
+                    "never joined it. Every rank must take the same steps: a step() or "
+                    "synchronize() that only some ranks call (a step on rank 0 alone, before "
+                    "broadcasting its state) ends here. A rank that legitimately arrives later "
+                    f"needs a larger first_step_timeout ({exc})"
+                ) from exc
             self._agreed.add(bucket)
 
     def _add_stats(self, stats: dict[str, float]) -> None:
@@ -367,3 +407,13 @@ class GradientSync:
         """Restore a state_dict() of the same world size (ValueError otherwise)."""
         self.grace.load_state_dict(state["grace"])
         self.steps = int(state["steps"])
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """state_dict() without what belongs to this rank alone (Synchronizer.shared_state_dict):
+        the step counters and schedules every rank shares."""
+        return {"grace": self.grace.shared_state_dict(), "steps": self.steps}
+
+    def load_shared_state_dict(self, shared: dict[str, Any]) -> None:
+        """Take another rank's shared_state_dict(), keeping this rank's residuals."""
+        self.grace.load_shared_state_dict(shared["grace"])
+        self.steps = int(shared["steps"])

@@ -187,7 +187,7 @@ def test_a_parameter_unused_on_one_rank_does_not_deadlock():
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    ({"grace": None}, ValueError, "needs a grace communicator"),
+    ({"grace": "spardl"}, TypeError, "must be a grace communicator"),
     ({"named_parameters": [("a", None)]}, ValueError, "does not name"),
     ({"named_parameters": "dup"}, ValueError, "duplicate names"),
     ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step"),

@@ -127,6 +127,8 @@ class OkTopk(CodedAllreduce):
     tau and tau' (ints >= 1); local_scale, global_scale: the nudge factors (> 1)."""
 
     PHASES = ("dense", "reduce", "gather", "threshold", "regions")
+    #: each rank's threshold estimates its own gradients' top-k
+    RANK_LOCAL_STATE = ("theta_local",)
 
     def __init__(
         self,

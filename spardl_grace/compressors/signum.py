@@ -10,6 +10,8 @@ from .signsgd import SignSGDCompressor, majority_vote
 class SignumCompressor(SignSGDCompressor):
     """GRACE's 'signum': the sign of a per-name momentum, aggregated by majority vote."""
 
+    RANK_LOCAL_STATE = ("momentums",)
+
     def __init__(self, momentum: float):
         super().__init__()
         self.momentum = momentum

@@ -15,11 +15,31 @@ import atexit
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
 DEFAULT_TIMEOUT_S = 300.0
+
+
+@contextmanager
+def timeout_at_most(transport: Transport, seconds: float) -> Iterator[None]:
+    """Within the block, `transport`'s operations (and those of the transports it wraps, e.g.
+    under a CountingTransport) time out after min(their timeout, `seconds`). Only for a block
+    in which no other thread uses the transport."""
+    chain = []
+    current: Transport | None = transport
+    while current is not None:
+        chain.append((current, current.timeout))
+        current = getattr(current, "inner", None)
+    for t, old in chain:
+        t.timeout = min(old, seconds)
+    try:
+        yield
+    finally:
+        for t, old in chain:
+            t.timeout = old
 
 
 class QueuedOp:
