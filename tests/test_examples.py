@@ -32,7 +32,9 @@ def trained(output: str) -> tuple[float, float]:
 
 @pytest.mark.parametrize("backend,script", [
     ("gloo", "ddp_comm_hook.py"), ("gloo", "grace_loop.py"), ("mpi", "mpirun_optimizer.py"),
-    ("horovod-gloo", "horovod_optimizer.py"), ("horovod-mpi", "horovod_optimizer.py")])
+    ("horovod-gloo", "horovod_optimizer.py"), ("horovod-mpi", "horovod_optimizer.py"),
+    ("horovod-gloo", "horovod_migration.py"), ("horovod-mpi", "horovod_migration.py"),
+    ("horovod-gloo", "grace_migration.py"), ("horovod-mpi", "grace_migration.py")])
 def test_example_trains_with_identical_replicas(backend, script):
     trained(run_example(backend, script))
 
@@ -62,3 +64,13 @@ def test_checkpoint_example_resumes_bit_identically(tmp_path):
             in output), output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-rank0.pt",
                                                           "checkpoint-rank1.pt"]
+
+
+def test_horovod_migration_with_fp16_sends_fewer_bytes():
+    """Horovod's --fp16-allreduce (Compression.fp16) puts SparDL on the compact wire."""
+    sent = {}
+    for flag in ((), ("--fp16-allreduce",)):
+        output = run_example("horovod-gloo", "horovod_migration.py", *flag)
+        trained(output)
+        sent[bool(flag)] = int(re.search(r"bytes sent per step: (\d+)", output)[1])
+    assert sent[True] < sent[False], sent
