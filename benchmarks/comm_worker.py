@@ -187,7 +187,8 @@ def replay(transport: Transport, messages: list[Message]) -> None:
             transport.allgather(torch.zeros(m.bytes_sent // (size - 1), dtype=torch.uint8), name)
         elif m.op == "allreduce":
             nbytes = m.bytes_sent * size // (2 * (size - 1))
-            transport.allreduce(torch.zeros(nbytes, dtype=torch.uint8), name)
+            # float32, which every backend reduces (Horovod has no uint8 all-reduce)
+            transport.allreduce(torch.zeros(-(-nbytes // 4), dtype=torch.float32), name)
         elif m.op == "broadcast":
             root = transport.rank if m.peer < 0 else m.peer
             nbytes = m.bytes_received or m.bytes_sent // (size - 1)

@@ -44,6 +44,7 @@ def transport_ops(transport) -> dict:
     out["allreduce.float32"] = transport.allreduce(rank_tensor(r, 10).view(2, 5), "ar.f32")
     out["allreduce.float64"] = transport.allreduce(rank_tensor(r, 10, torch.float64), "ar.f64")
     out["allreduce.int32"] = transport.allreduce(rank_tensor(r, 10, torch.int32), "ar.i32")
+    out["allreduce.uint8"] = transport.allreduce(rank_tensor(r, 10, torch.uint8), "ar.u8")
     out["allreduce.random"] = transport.allreduce(
         torch.randn(1000, generator=torch.Generator().manual_seed(r)), "ar.rand")
     transport.barrier()
@@ -156,6 +157,9 @@ def expected_transport_ops(rank: int, size: int) -> dict:
     out["allreduce.float32"] = sum(rank_tensor(j, 10) for j in range(size)).view(2, 5)
     out["allreduce.float64"] = sum(rank_tensor(j, 10, torch.float64) for j in range(size))
     out["allreduce.int32"] = sum(rank_tensor(j, 10, torch.int32) for j in range(size))
+    # uint8 sums wrap modulo 256 (Horovod, which has no uint8 all-reduce, reduces in int64)
+    out["allreduce.uint8"] = sum(rank_tensor(j, 10, torch.uint8).long()
+                                 for j in range(size)).to(torch.uint8)
     return out
 
 

@@ -296,9 +296,13 @@ def test_comm_benchmark_under_mpirun_and_horovodrun(tmp_path, backend):
     from conftest import require
     require(backend)
     own = ["horovod_allreduce", "horovod_fp16"] if backend == "horovod" else []
-    result = _small(tmp_path, "--backend", backend, "--algorithms", ",".join(["gtopk", "spardl", *own]))
+    result = _small(tmp_path, "--backend", backend,
+                    "--algorithms", ",".join(["dense", "gtopk", "spardl", *own]))
     runs = result["algorithms"]
     assert runs["spardl"]["bytes_vs_formula"] == pytest.approx(1.0, abs=0.05)
+    # the dense path too (its replay's all-reduce once used a byte tensor Horovod refused)
+    assert runs["dense"]["bytes_vs_formula"] == pytest.approx(1.0, abs=0.05)
+    assert runs["dense"]["replay_s"]["median"] > 0
     if own:  # Horovod's own all-reduce beside the library, plain and with its fp16 compression
         from spardl_grace.transport.counting import ring_allreduce_bytes
         n = result["numel"]

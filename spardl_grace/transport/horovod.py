@@ -3,8 +3,9 @@
 Horovod has no point-to-point send/recv: a step in which each rank sends to one peer is an
 alltoall whose splits are zero for every other rank. Every op is named deterministically from
 the caller's name, since Horovod matches ops across ranks by name. Payloads travel as raw
-bytes (uint8), so every dtype works; allreduce runs in the tensor's dtype, or fp32 for the
-half-precision types.
+bytes (uint8), so every dtype works; allreduce runs in the tensor's dtype, fp32 for the
+half-precision types, int64 for the integer types Horovod cannot reduce (uint8, int8, int16,
+bool), cast back after.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from .base import (
     fail_job_at_exit,
     from_bytes,
 )
+
+
+#: the dtypes Horovod's CPU all-reduce takes (others are reduced in int64 and cast back)
+HOROVOD_REDUCES = (torch.float32, torch.float64, torch.int32, torch.int64)
 
 
 class HorovodTransport(Transport):
@@ -113,6 +118,8 @@ class HorovodTransport(Transport):
         work = tensor.detach().cpu().contiguous()
         if work.dtype in (torch.float16, torch.bfloat16):
             work = work.float()
+        elif work.dtype not in HOROVOD_REDUCES:
+            work = work.long()  # sums wrap back into the narrow type, as gloo's do
         out = self._sync(
             self._hvd.allreduce_async(work, op=self._hvd.Sum, name=self._name(name, "allreduce")),
             name,
