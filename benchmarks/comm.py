@@ -24,7 +24,8 @@ Passes over the gradient: `other_s` is a step's time outside selection, communic
 coding (on its busiest rank), `copy_s` the time of one copy of the gradient that every rank
 takes at once just before each step, and `passes_vs_copy` the first in units of the second.
 --bandwidth runs the ranks in network namespaces whose links tc shapes to that rate
-(benchmarks.netem; root only).
+(benchmarks.netem; root only); under --backend horovod, horovodrun starts on the first
+namespace and reaches the others as on a cluster (benchmarks.twonode's ssh stand-in).
 
 What PyTorch users run instead runs in the same run (--gradient MODEL, gloo): torch_ddp,
 torch_fp16, torch_powersgd1 and torch_powersgd4 are DDP with torch's own all-reduce, fp16 and
@@ -46,9 +47,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import costmodel
+from benchmarks import costmodel, twonode
 from benchmarks.comm_worker import HOROVOD, POWERSGD_START, TORCH_HOOKS
 from benchmarks.launch import launch_env, launcher_command
+from benchmarks.netns_ssh import on_node
 from benchmarks.netem import EmulatedNetwork, rank_env, rate_bits_per_s, run_all
 from spardl_grace.launch import free_port
 
@@ -125,8 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             rate_bits_per_s(args.bandwidth)
         except ValueError as exc:
             p.error(str(exc))
-        if args.backend != "gloo":
-            p.error("--bandwidth emulates the network for --backend gloo only")
+        if args.backend == "mpi":
+            p.error("--bandwidth emulates the network for --backend gloo and horovod "
+                    "(mpirun's ranks on emulated nodes: python -m benchmarks.twonode)")
     try:
         args.codec = json.loads(args.codec) if args.codec else {}
     except json.JSONDecodeError as exc:
@@ -143,6 +146,16 @@ def launch(args: argparse.Namespace, config: Path, net: EmulatedNetwork | None) 
     """Run the workers to completion; raises RuntimeError with their output if one fails."""
     worker = [sys.executable, "-m", "benchmarks.comm_worker", str(config)]
     env = launch_env()
+    if args.backend == "horovod" and net is not None:
+        # horovodrun on node 0 reaches every rank's namespace as on a cluster (benchmarks.twonode)
+        command = twonode.commands("horovodrun", net, 1, worker[1:])[0]
+        with twonode.ssh_to_nodes(net, env) as node_env:
+            try:
+                run_all([on_node(net.namespace(0), command)], [node_env], ROOT,
+                        timeout=args.timeout * 2)
+            except RuntimeError as exc:
+                raise RuntimeError(f"benchmark {exc}") from None
+        return
     if args.backend in ("mpi", "horovod"):
         cmds = [launcher_command(args.backend, args.workers, worker[1:])]
         envs = [env]
@@ -222,7 +235,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "replays": args.replays, "probe_repeat": args.probe_repeat, "codec": args.codec,
             "device": args.device, "timeout": args.timeout, "out": tmp}))
         if args.bandwidth:
-            with EmulatedNetwork(args.workers, args.bandwidth) as net:
+            # horovodrun selects the nodes' interface by one name, as on a cluster
+            interface = twonode.INTERFACE if args.backend == "horovod" else None
+            with EmulatedNetwork(args.workers, args.bandwidth, interface_name=interface) as net:
                 launch(args, config, net)
         else:
             launch(args, config, None)

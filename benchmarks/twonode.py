@@ -21,6 +21,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +68,20 @@ def commands(launcher: str, net: EmulatedNetwork, per_node: int, script: list[st
     raise ValueError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
 
 
+@contextmanager
+def ssh_to_nodes(net: EmulatedNetwork, base: dict[str, str]) -> Iterator[dict[str, str]]:
+    """`base` with `ssh` on PATH standing for benchmarks/netns_ssh.py, which enters a node's
+    namespace in place of logging in, and gloo bound to the nodes' INTERFACE: the environment
+    in which mpirun and horovodrun, started on node 0, reach the other nodes."""
+    with tempfile.TemporaryDirectory(prefix="netns-ssh-") as shim:
+        os.symlink(ROOT / "benchmarks" / "netns_ssh.py", Path(shim) / "ssh")
+        env = dict(base)
+        env.update({"PATH": f"{shim}{os.pathsep}{env['PATH']}", "GLOO_SOCKET_IFNAME": INTERFACE,
+                    "SPARDL_NETNS_HOSTS": ",".join(f"{net.address(n)}={net.namespace(n)}"
+                                                   for n in range(net.size))})
+        yield env
+
+
 def _tx_bytes(net: EmulatedNetwork, node: int) -> int:
     out = subprocess.run(net.command(node, ["cat", f"/sys/class/net/{INTERFACE}/statistics/tx_bytes"]),
                          capture_output=True, text=True, check=True)
@@ -81,12 +97,7 @@ def run(launcher: str, script: list[str], per_node: int = 2, rate: str = "10gbit
     if why:
         raise RuntimeError(f"two emulated nodes need network namespaces: {why}")
     with EmulatedNetwork(2, rate, interface_name=INTERFACE) as net, \
-            tempfile.TemporaryDirectory(prefix="twonode-") as shim:
-        os.symlink(ROOT / "benchmarks" / "netns_ssh.py", Path(shim) / "ssh")
-        env = launch_env()
-        env.update({"PATH": f"{shim}{os.pathsep}{env['PATH']}", "GLOO_SOCKET_IFNAME": INTERFACE,
-                    "SPARDL_NETNS_HOSTS": ",".join(f"{net.address(n)}={net.namespace(n)}"
-                                                   for n in range(net.size))})
+            ssh_to_nodes(net, launch_env()) as env:
         before = [_tx_bytes(net, node) for node in range(net.size)]
         procs = [subprocess.Popen(on_node(net.namespace(node), cmd), cwd=ROOT, env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -323,7 +323,7 @@ def test_comm_benchmark_with_a_codec_sends_fewer_bytes(tmp_path):
     (["--algorithms", "ring"], "valid choices: dense, topka"),
     (["--workers", "4", "--teams", "3"], "--teams must divide"),
     (["--bandwidth", "fast"], "kbit, mbit, gbit"),
-    (["--bandwidth", "1gbit", "--backend", "mpi"], "gloo only"),
+    (["--bandwidth", "1gbit", "--backend", "mpi"], "gloo and horovod"),
     (["--codec", "{bad"], "not JSON"),
     (["--algorithms", "torch_fp16"], "--gradient MODEL"),
     (["--algorithms", "torch_ddp", "--gradient", "vgg16", "--backend", "mpi"], "--backend gloo"),
@@ -367,6 +367,18 @@ def test_comm_benchmark_on_an_emulated_network(tmp_path):
     # Dense sends 2n(P-1)/P * 4 bytes = 160 kB per rank: at 200 Mbit that is at least 6 ms.
     assert result["algorithms"]["dense"]["comm_s"]["median"] > 160_000 * 8 / 200e6 * 0.8
     assert result["link"]["beta"] > 8 / 200e6 * 0.8
+
+
+def test_comm_benchmark_under_horovodrun_on_an_emulated_network(tmp_path):
+    """horovodrun on the first namespace reaches the ranks in the others (as on a cluster),
+    and their traffic crosses the shaped links."""
+    require_netns()
+    from conftest import require
+    require("horovod")
+    result = _small(tmp_path, "--backend", "horovod", "--bandwidth", "200mbit",
+                    "--algorithms", "dense,spardl")
+    assert result["algorithms"]["dense"]["comm_s"]["median"] > 160_000 * 8 / 200e6 * 0.8
+    assert result["algorithms"]["spardl"]["bytes_vs_formula"] == pytest.approx(1.0, abs=0.05)
 
 
 def test_exchange_order_benchmark_times_both_orders_beside_the_wire(tmp_path):
