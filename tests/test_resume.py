@@ -160,7 +160,7 @@ def test_horovods_resume_pattern_for_every_optimizer(launch, backend):
     _check_resumed(launch(backend, 2, "test_resume.horovod_resume", timeout=300))
 
 
-@pytest.mark.parametrize("backend,size", [("gloo", 3), ("horovod-gloo", 2)])
+@pytest.mark.parametrize("backend,size", [("gloo", 3), ("mpi", 2), ("horovod-gloo", 2)])
 def test_the_librarys_broadcast_optimizer_state_for_every_optimizer(launch, backend, size):
     _check_resumed(launch(backend, size, "test_resume.library_resume", timeout=300))
 
