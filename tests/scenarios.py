@@ -51,6 +51,15 @@ def transport_ops(transport) -> dict:
     return out
 
 
+def horovod_p2p_modes(transport) -> dict:
+    """transport_ops and known_size_sendrecv under horovodrun, through the gloo channel (the
+    default) and through Horovod's alltoall (p2p='horovod'); each with how it sent."""
+    from spardl_grace.transport.horovod import HorovodTransport
+    through_horovod = HorovodTransport(transport.timeout, prefix="via_hvd", p2p="horovod")
+    return {mode: {"p2p": t.p2p, "ops": transport_ops(t), "known": known_size_sendrecv(t)}
+            for mode, t in (("gloo", transport), ("horovod", through_horovod))}
+
+
 def known_size_sendrecv(transport) -> dict:
     """sendrecv with the size announced (one round trip), for every dtype and sizes including 0;
     then every rank sends one entry fewer than announced, which every receiver must refuse."""
@@ -112,15 +121,39 @@ def recorded_mpi_posts(transport, batches: list[list[str]]):
         transport.comm = comm
 
 
+@contextmanager
+def recorded_channel_posts(transport, batches: list[list[str]]):
+    """Within the block, every post on the HorovodTransport's gloo channel appends
+    ["recv"]/["send"]."""
+    channel = transport._channel
+    original = channel.post
+
+    def recording(kind, tensor, peer):
+        batches.append([kind])
+        return original(kind, tensor, peer)
+
+    channel.post = recording
+    try:
+        yield
+    finally:
+        del channel.post
+
+
 def posting_order(transport) -> dict:
     """The order in which the transport posts the two halves of each sendrecv (a pairwise
     exchange, then a ring shift; sizes unknown, then known), recorded where it hands them to
-    the backend: torch.distributed's batch_isend_irecv, or MPI's Isend/Irecv. Returns
-    {"batches": [[op kind, ...] per posting], "received": [what each sendrecv gave]}."""
+    the backend: torch.distributed's batch_isend_irecv, MPI's Isend/Irecv, or the posts on
+    Horovod's gloo channel. Returns {"batches": [[op kind, ...] per posting], "received":
+    [what each sendrecv gave]}."""
     r, p = transport.rank, transport.size
     batches: list[list[str]] = []
-    recording = (recorded_mpi_posts(transport, batches) if hasattr(transport, "comm")
-                 else recorded_p2p_batches(batches))
+    if hasattr(transport, "comm"):
+        recording = recorded_mpi_posts(transport, batches)
+    elif hasattr(transport, "_channel"):
+        assert transport.p2p == "gloo", "Horovod's gloo channel did not open"
+        recording = recorded_channel_posts(transport, batches)
+    else:
+        recording = recorded_p2p_batches(batches)
     received = []
     with recording:
         partner = r ^ 1 if (r ^ 1) < p else r

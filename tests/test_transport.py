@@ -69,7 +69,19 @@ def test_real_sendrecv_with_known_size_is_one_round_trip_and_refuses_other_sizes
     check_known_sizes(launch(backend, size, "known_size_sendrecv"))
 
 
-@pytest.mark.parametrize("backend,size", [("gloo", 4), ("mpi", 4)])
+@pytest.mark.parametrize("backend,size", [("horovod-gloo", 3), ("horovod-mpi", 2)])
+def test_horovod_sends_point_to_point_through_gloo_or_its_own_alltoall(launch, backend, size):
+    """Under horovodrun, sendrecv and alltoall go over a gloo channel opened beside Horovod
+    (Horovod's own ops cost milliseconds each before a byte moves), or, with p2p='horovod',
+    through Horovod's alltoall: the same results either way, under Horovod's gloo and MPI."""
+    results = launch(backend, size, "horovod_p2p_modes")
+    for mode in ("gloo", "horovod"):
+        assert {r[mode]["p2p"] for r in results} == {mode}
+        check_transport_results([r[mode]["ops"] for r in results])
+        check_known_sizes([r[mode]["known"] for r in results])
+
+
+@pytest.mark.parametrize("backend,size", [("gloo", 4), ("mpi", 4), ("horovod-gloo", 4)])
 def test_real_sendrecv_posts_its_receive_before_its_send(launch, backend, size):
     """A pairwise exchange must post its receive first. gloo sends a message only once the
     receiver's ready-to-receive notice has arrived, and that notice shares the byte stream
