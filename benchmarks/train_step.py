@@ -33,13 +33,18 @@ from typing import Any
 
 import torch
 
+from benchmarks import twonode
 from benchmarks.comm import machine, write_json
 from benchmarks.comm_worker import synchronize
-from benchmarks.netem import available, rate_bits_per_s, run_all
+from benchmarks.launch import launch_env, launcher_command
+from benchmarks.netem import EmulatedNetwork, available, rate_bits_per_s, run_all
+from benchmarks.netns_ssh import on_node
 from experiments import compare
 from experiments.main_trainer import DEVICES, read_log, resolve_device
 
 ROOT = Path(__file__).resolve().parent.parent
+LAUNCHERS = ("spawn", "horovodrun")
+DDP_ONLY = ("ddp", "fp16", "powersgd1", "powersgd4")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,12 +62,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the trainers compute and the copy is timed: cuda (the workers "
                         "share this machine's GPUs as the training CLI places them), cpu, or "
                         "auto (cuda when a GPU is visible)")
+    p.add_argument("--launcher", default="spawn", choices=LAUNCHERS,
+                   help="spawn: the training CLI starts its workers (torch.distributed, gloo); "
+                        "horovodrun: Horovod starts them (this library's algorithms only)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     args.algorithms = [a for a in args.algorithms.split(",") if a]
     unknown = sorted(set(args.algorithms) - set(compare.ALGORITHMS))
     if unknown:
         p.error(f"unknown algorithm(s) {unknown}; valid: {', '.join(compare.ALGORITHMS)}")
+    ddp = [a for a in args.algorithms if a in DDP_ONLY]
+    if args.launcher == "horovodrun" and ddp:
+        p.error(f"--launcher horovodrun cannot run {', '.join(ddp)}: DDP's own, which needs "
+                "torch.distributed; run it with --launcher spawn")
     args.bandwidths = [b for b in args.bandwidths.split(",") if b]
     for rate in args.bandwidths:
         try:
@@ -96,15 +108,29 @@ def step_times(out: Path, skip: int) -> list[float]:
 
 def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Path) -> dict[str, Any]:
     cmd = _trainer(args, out, args.workers, compare.algorithm_options(name, warmup=False))
-    if rate:
-        cmd += ["--bandwidth", rate]
-    run_all([cmd], [_env()], ROOT)
+    if args.launcher == "horovodrun":
+        under_horovodrun(cmd[1:], args.workers, rate)
+    else:
+        run_all([cmd + (["--bandwidth", rate] if rate else [])], [_env()], ROOT)
     times = step_times(out, args.skip)
     # The last evaluation window lies after the skipped steps (PowerSGD's dense start).
     payload = read_log(out)["eval"][-1]["bytes_sent_per_step"]
     wire_s = payload * 8 / rate_bits_per_s(rate) if rate else None
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
             "bytes_per_step": payload, "wire_s_of_bytes": wire_s}
+
+
+def under_horovodrun(script: list[str], workers: int, rate: str | None) -> None:
+    """`python SCRIPT` on `workers` ranks under horovodrun (gloo): on loopback, or with each
+    rank in its own namespace behind a link shaped to `rate`, horovodrun started on the
+    first and reaching the others through the ssh stand-in."""
+    if rate is None:
+        run_all([launcher_command("horovod", workers, script)], [launch_env()], ROOT)
+        return
+    with EmulatedNetwork(workers, rate, interface_name=twonode.INTERFACE) as net, \
+            twonode.ssh_to_nodes(net, launch_env()) as env:
+        command = twonode.commands("horovodrun", net, 1, script)[0]
+        run_all([on_node(net.namespace(0), command)], [env], ROOT)
 
 
 def compute_only(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
@@ -189,7 +215,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     c = result["config"]
     lines = [f"{c['dnn']}, batch {c['batch_size']}/worker, {c['workers']} workers on "
-             f"{c.get('device', 'cpu')}, median s per "
+             f"{c.get('device', 'cpu')}"
+             f"{' under horovodrun' if c.get('launcher') == 'horovodrun' else ''}, median s per "
              f"training step (steps {c['skip']}..{c['steps'] - 1}); compute only "
              f"{result['compute_only']['step_s']:.3f} s, one copy of the gradient "
              f"{result['copy_s']:.4f} s; bound: compute only + wire s + {COPIES_IN_BOUND} copies"]

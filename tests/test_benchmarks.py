@@ -539,6 +539,27 @@ def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
             train_step.parse_args(["--device", "cuda"])
 
 
+def test_training_step_benchmark_under_horovodrun(capsys):
+    """--launcher horovodrun: the same rows from ranks that horovodrun started, on an emulated
+    20 Mbit network (each rank in its namespace, horovodrun reaching them as on a cluster);
+    the same bytes as the spawned workers send; DDP's hooks, which need torch.distributed, are
+    refused naming the launcher that runs them."""
+    from conftest import require
+    require("horovod")
+    from benchmarks import train_step
+    options = ["--dnn", "fashioncnn", "--batch-size", "8", "--workers", "2", "--algorithms",
+               "dense,spardl", "--bandwidths", "20mbit", "--steps", "4", "--skip", "2"]
+    horovod = train_step.main([*options, "--launcher", "horovodrun"])
+    spawned = train_step.main(options)
+    assert "2 workers on cpu under horovodrun" in train_step.table(horovod)
+    for name in ("dense", "spardl"):
+        rows = [next(iter(r["networks"].values()))[name] for r in (horovod, spawned)]
+        assert rows[0]["bytes_per_step"] == rows[1]["bytes_per_step"] > 0
+    with pytest.raises(SystemExit):
+        train_step.parse_args(["--launcher", "horovodrun", "--algorithms", "spardl,powersgd4"])
+    assert "cannot run powersgd4: DDP's own" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ iproute2 for the GPU machines
 def test_packed_iproute2_emulates_a_link_and_leaves_no_library_path_to_its_children(tmp_path):
     """benchmarks/carry_iproute2.sh packs ip and tc with their libraries (for lent machines that
