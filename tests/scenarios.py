@@ -3,6 +3,8 @@
 Inputs depend only on (rank, size), so the test can recompute what every rank sent."""
 from __future__ import annotations
 
+import os
+
 from contextlib import contextmanager
 
 import torch
@@ -58,6 +60,32 @@ def horovod_p2p_modes(transport) -> dict:
     through_horovod = HorovodTransport(transport.timeout, prefix="via_hvd", p2p="horovod")
     return {mode: {"p2p": t.p2p, "ops": transport_ops(t), "known": known_size_sendrecv(t)}
             for mode, t in (("gloo", transport), ("horovod", through_horovod))}
+
+
+def horovod_channel_fallback(transport) -> dict:
+    """A gloo channel that rank 1 cannot join (its interface does not exist): every rank
+    warns, sends through Horovod's alltoall instead, and the operations still agree."""
+    import warnings
+
+    from spardl_grace.transport import horovod
+    saved = dict(horovod._CHANNELS)
+    horovod._CHANNELS.clear()
+    old = os.environ.get("HOROVOD_GLOO_IFACE")
+    if transport.rank == 1:
+        os.environ["HOROVOD_GLOO_IFACE"] = "nosuchnic0"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fallback = horovod.HorovodTransport(5.0, prefix="fallback")
+    finally:
+        horovod._CHANNELS.clear()
+        horovod._CHANNELS.update(saved)
+        if old is None:
+            os.environ.pop("HOROVOD_GLOO_IFACE", None)
+        else:
+            os.environ["HOROVOD_GLOO_IFACE"] = old
+    return {"p2p": fallback.p2p, "warnings": [str(w.message) for w in caught],
+            "ops": transport_ops(fallback)}
 
 
 def known_size_sendrecv(transport) -> dict:

@@ -81,6 +81,18 @@ def test_horovod_sends_point_to_point_through_gloo_or_its_own_alltoall(launch, b
         check_known_sizes([r[mode]["known"] for r in results])
 
 
+def test_a_gloo_channel_that_a_rank_cannot_join_falls_back_on_every_rank(launch):
+    """Rank 1 cannot join the channel beside Horovod: every rank ends up on Horovod's
+    alltoall (never some ranks on each path), rank 1 and rank 0 say why in a warning, and
+    every operation still gives the same results."""
+    results = launch("horovod-gloo", 3, "horovod_channel_fallback")
+    assert [r["p2p"] for r in results] == ["horovod"] * 3
+    assert "could not connect the gloo group" in " ".join(results[1]["warnings"])
+    for rank in (0, 1):
+        assert any("no gloo channel beside the launcher" in w for w in results[rank]["warnings"])
+    check_transport_results([r["ops"] for r in results])
+
+
 @pytest.mark.parametrize("backend,size", [("gloo", 4), ("mpi", 4), ("horovod-gloo", 4)])
 def test_real_sendrecv_posts_its_receive_before_its_send(launch, backend, size):
     """A pairwise exchange must post its receive first. gloo sends a message only once the

@@ -85,8 +85,15 @@ def _decode(data: torch.Tensor) -> str:
     return bytes(data.tolist()).rstrip(b"\0").decode()
 
 
-def _all_ok(transport: Transport, ok: bool, name: str) -> bool:
-    flags = transport.allreduce(torch.tensor([int(ok)], dtype=torch.int64), name)
+def _all_ok(transport: Transport, ok: bool, name: str, connect: timedelta) -> bool:
+    """Whether every rank is ok. A rank that failed at once waits here while the others may
+    still be connecting for up to `connect`: its wait is longer by that much."""
+    timeout = transport.timeout
+    transport.timeout = timeout + connect.total_seconds()
+    try:
+        flags = transport.allreduce(torch.tensor([int(ok)], dtype=torch.int64), name)
+    finally:
+        transport.timeout = timeout
     return int(flags.item()) == transport.size
 
 
@@ -114,22 +121,22 @@ def open_gloo_channel(transport: Transport, label: str) -> GlooChannel | None:
         except (OSError, RuntimeError) as exc:
             reason = f"rank {rank} could not reach rank 0's store at {address}: {exc}"
     group = None
-    if _all_ok(transport, store is not None, f"{label}.store"):
+    if _all_ok(transport, store is not None, f"{label}.store", connect):
         assert store is not None  # this rank reached the store, as every rank did
         gloo: Any = dist.ProcessGroupGloo  # its _Options are not in torch's stubs
         options = gloo._Options()
         options._timeout = connect
         interface = _interface()
-        options._devices = [
-            dist.ProcessGroupGloo.create_device(interface=interface)
-            if interface
-            else dist.ProcessGroupGloo.create_default_device()
-        ]
         try:
+            options._devices = [
+                gloo.create_device(interface=interface)
+                if interface
+                else gloo.create_default_device()
+            ]
             group = dist.ProcessGroupGloo(dist.PrefixStore(label, store), rank, size, options)
         except RuntimeError as exc:
             reason = f"rank {rank} could not connect the gloo group: {exc}"
-    if not _all_ok(transport, group is not None, f"{label}.group"):
+    if not _all_ok(transport, group is not None, f"{label}.group", connect):
         if reason or rank == 0:
             warnings.warn(
                 f"spardl_grace: no gloo channel beside the launcher "
