@@ -28,7 +28,9 @@ training time, which --time-budget bounds and --target-accuracy measures against
 run's clock starts again from zero).
 Rank 0 writes OUT/log.jsonl (one line per step, evaluation and epoch) and OUT/epochs.csv,
 and, with --log wandb or tensorboard, logs there too. Every rank checkpoints
-OUT/ckpt-rank{r}.pt at the end of each epoch; --resume continues from it.
+OUT/ckpt-rank{r}.pt at the end of each epoch (and every --checkpoint-every steps); --resume
+continues from the newest one every rank holds, and --resume auto does so only when there is
+one, so that a launcher's restart (torchrun --max-restarts) continues the run.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import ast
 import csv
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -50,7 +53,7 @@ from deepreduce_compat import deepreduce_from_params
 from spardl_grace import launch, registry
 from spardl_grace.registry import WIRES
 from spardl_grace.warmup import warmup_density
-from spardl_grace.checkpoint import check_same_step, load_checkpoint, save_checkpoint
+from spardl_grace.checkpoint import load_agreed_checkpoint, save_checkpoint
 
 SPARSE_ALLREDUCES = (*registry.SPARSE_ALLREDUCES, "dense")
 # GRACE compressor -> (memory, communicator), as GRACE's examples pair them.
@@ -78,6 +81,7 @@ DEFAULT_WARMUP_START = 0.0625
 DENSITY_COMPRESSORS = (*(c for c in SPARSE_ALLREDUCES if c != "dense"), "topk", "randomk", "dgc")
 LOGS = ("csv", "wandb", "tensorboard")
 DEVICES = ("auto", "cpu", "cuda")
+RESUME = ("never", "auto", "always")
 
 
 def resolve_device(device: str, parser: argparse.ArgumentParser) -> str:
@@ -238,8 +242,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=None, help="stop each epoch after N steps")
     p.add_argument("--log", default="csv", help=f"comma-separated of {', '.join(LOGS)} (csv/jsonl always)")
     p.add_argument("--out", default="runs/train")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/ckpt-rank{r}.pt (or the previous one, kept beside it)")
+    p.add_argument("--resume", nargs="?", const="always", default="never", choices=RESUME,
+                   help="always (the bare flag): continue from the newest checkpoint every rank "
+                        "holds in OUT (ckpt-rank{r}.pt or the previous one, kept beside it), "
+                        "refusing when there is none; auto: the same when there is one, a fresh "
+                        "start otherwise (what a launcher's restart needs); never (default)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also checkpoint every N steps within an epoch (0: at each epoch's end only)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a silent peer is an error")
@@ -306,7 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--ddp-hook runs this library's algorithms through DDP; {args.compressor} is "
                 "DDP already")
     if baseline:
-        if args.resume:
+        if args.resume != "never":
             p.error(f"--resume: {args.compressor}'s hook state is not checkpointed; resume works "
                     "with this library's algorithms")
         if args.momentum_correction or args.local_clip_norm is not None or args.deepreduce \
@@ -389,6 +396,14 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None
     destroy_and_exit()
 
 
+def _exit_through_python_on_sigterm() -> None:
+    """For the process that started the workers itself: terminated, it exits through Python,
+    so that its with-blocks remove the emulated network's namespaces and multiprocessing ends
+    the spawned workers. Never in a worker: its main thread may sit in a backend's wait, where
+    a Python handler runs only once the wait ends, and a launcher's SIGTERM must stop it now."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def launch_on_emulated_network(args: argparse.Namespace) -> None:
     """--nworkers processes, each in its own network namespace behind a link shaped to
     --bandwidth, joining over env:// (rank 0's address); rank 0's output is shown."""
@@ -407,6 +422,7 @@ def launch_on_emulated_network(args: argparse.Namespace) -> None:
                PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     worker = [sys.executable, "-m", "experiments.main_trainer", "--config", str(config.resolve())]
     port = launch.free_port()
+    _exit_through_python_on_sigterm()
     with EmulatedNetwork(args.nworkers, args.bandwidth) as net:
         run_all([net.command(r, worker) for r in range(args.nworkers)],
                 [net.rank_env(r, port, env) for r in range(args.nworkers)], root, stream=0)
@@ -427,6 +443,7 @@ def start(args: argparse.Namespace) -> None:
                          "a launcher (torchrun)")
     if kind == "none" and args.nworkers > 1:
         import torch.multiprocessing as mp
+        _exit_through_python_on_sigterm()
         mp.spawn(_spawned, args=(args.nworkers, launch.free_port(), args), nprocs=args.nworkers)
         return
     if kind == "none":
@@ -470,14 +487,16 @@ class Logger:
     """JSONL of every record and a CSV of epoch summaries on rank 0; W&B and TensorBoard when
     asked for (W&B offline unless WANDB_API_KEY is set)."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, config: dict[str, Any]):
+    def __init__(self, args: argparse.Namespace, rank: int, config: dict[str, Any],
+                 append: bool = False):
+        """`append`: continue the logs of a resumed run instead of starting them anew."""
         self.active = rank == 0
         self.out = Path(args.out)
         self.wandb = self.tensorboard = None
         if not self.active:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        mode = "a" if args.resume else "w"
+        mode = "a" if append else "w"
         self.jsonl = open(self.out / "log.jsonl", mode)
         self.csv_path = self.out / "epochs.csv"
         logs = set(filter(None, args.log.split(",")))
@@ -720,13 +739,17 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
     out = Path(args.out)
     checkpoint = out / f"ckpt-rank{rank}.pt"
     first_step = 0
-    if args.resume:
+    resumed = None
+    if args.resume != "never":
         try:
-            saved, _ = load_checkpoint(checkpoint)
-        except (FileNotFoundError, ValueError) as exc:
-            raise SystemExit(f"--resume: {exc}") from None
-        # A crash during a save can leave ranks on different steps: all refuse together.
-        check_same_step(transport, saved["step"], saved["run_id"])
+            resumed = load_agreed_checkpoint(transport, checkpoint)
+        except ValueError as exc:  # raised on every rank alike
+            raise SystemExit(f"--resume {args.resume}: {exc}") from None
+        if resumed is None and args.resume == "always":
+            raise SystemExit(f"--resume: no rank holds a checkpoint in {out} "
+                             "(--resume auto starts fresh then)")
+    if resumed is not None:
+        saved = resumed[0]
         model.load_state_dict(saved["model"])
         sync.optimizer.load_state_dict(saved["optimizer"])
         sync.load_compression_state(saved["compression"])
@@ -749,7 +772,8 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
                              **({"cuda_rng": torch.cuda.get_rng_state(device)}
                                 if device.type == "cuda" else {})},
                             checkpoint)
-    logger = Logger(args, rank, {**vars(args), "grace": params, "workers": world})
+    logger = Logger(args, rank, {**vars(args), "grace": params, "workers": world},
+                    append=resumed is not None)
     progress = _progress(rank, args.max_epochs * steps_per_epoch)
     clock = Clock()
     run = {"time_to_target_s": None, "steps_to_target": None, "steps": 0, "stopped": False,
@@ -907,7 +931,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Terminated, it still removes an emulated network's namespaces (the with-blocks exit).
-    import signal
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

@@ -9,7 +9,11 @@ the old one, which is first kept as `<name>.prev`. A crash at any moment therefo
 least one complete checkpoint: the new one, or the previous one, which load_checkpoint falls
 back to when the newest is missing or unreadable. Because a fallback can make ranks load
 different steps, resuming ranks compare (step, run id) in one collective and all refuse together
-when they differ.
+when they differ. A job that a launcher restarts uses load_agreed_checkpoint instead: it
+starts fresh when no rank holds a checkpoint, and otherwise takes the newest step that every
+rank holds (a crash during a save leaves some ranks' newest one step behind):
+
+    resumed = load_agreed_checkpoint(transport, f"ckpt-rank{rank}.pt")   # None: start fresh
 """
 
 from __future__ import annotations
@@ -100,3 +104,57 @@ def check_same_step(
             "rank); a crash during a save leaves some ranks with the previous "
             "checkpoint: resume them all from one step"
         )
+
+
+def _readable(path: Path) -> list[tuple[dict[str, Any], Path]]:
+    """The checkpoints at `path` and `<path>.prev` that load, newest file first."""
+    held = []
+    for candidate in (path, previous_path(path)):
+        if candidate.exists():
+            try:
+                held.append((torch.load(candidate, weights_only=True), candidate))
+            except Exception:  # a torn or corrupted file: the other one may do
+                continue
+    return held
+
+
+def load_agreed_checkpoint(
+    transport: Transport, path: str | os.PathLike, name: str = "checkpoint.agree_newest"
+) -> tuple[dict[str, Any], Path] | None:
+    """Resume where a restart left off: the newest (step, run) that every rank holds, among
+    each rank's `path` and `<path>.prev`, loaded on each rank as (state, the file); None on
+    every rank when no rank holds a checkpoint (start fresh). One all-gather of four int64.
+
+    A crash during a save can leave a rank's newest checkpoint one step behind the others';
+    the ranks then all take the step they share. ValueError on every rank, naming each rank's
+    steps, when some ranks hold checkpoints and others none, or when they share no step."""
+    held = _readable(Path(path))
+    mine = torch.full((4,), -1, dtype=torch.int64)
+    for slot, (state, _) in enumerate(held):
+        mine[2 * slot] = int(state["step"])
+        mine[2 * slot + 1] = _run_digest(state["run_id"])
+    everyone = [
+        p.view(torch.int64).tolist() for p in transport.allgather(mine.view(torch.uint8), name)
+    ]
+    sets = [{(v[i], v[i + 1]) for i in (0, 2) if v[i] >= 0} for v in everyone]
+    steps = [sorted(step for step, _ in s) for s in sets]
+    if not any(sets):
+        return None
+    if not all(sets):
+        without = [r for r, s in enumerate(sets) if not s]
+        raise ValueError(
+            f"ranks {without} hold no checkpoint while others do (steps by rank: "
+            f"{steps}): every rank must resume, or none"
+        )
+    shared = set.intersection(*sets)
+    if not shared:
+        raise ValueError(
+            f"the ranks share no checkpoint step (steps by rank: {steps}, or checkpoints "
+            "of different runs): resume them all from one step"
+        )
+    step, digest = max(shared)
+    return next(
+        (state, file)
+        for state, file in held
+        if int(state["step"]) == step and _run_digest(state["run_id"]) == digest
+    )

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spardl_grace.checkpoint import check_same_step, load_checkpoint, previous_path, save_checkpoint
+from spardl_grace.checkpoint import (check_same_step, load_agreed_checkpoint, load_checkpoint,
+                                     previous_path, save_checkpoint)
 from spardl_grace.transport import run_local
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,6 +113,45 @@ def test_ranks_with_another_runs_checkpoint_all_refuse():
     messages = run_local(3, _agree, [7, 7, 7], ["run-a", "run-a", "run-b"])
     assert len(set(messages)) == 1
     assert "different runs: ranks [2]" in messages[0]
+
+
+def _resume(transport, directory, saves):
+    """Rank r saves the steps saves[r] in order (the last newest, the one before kept as
+    .prev), then every rank asks for the newest checkpoint they all hold."""
+    Path(directory).mkdir(exist_ok=True)
+    path = Path(directory) / f"ckpt-rank{transport.rank}.pt"
+    for step, run in saves[transport.rank]:
+        save_checkpoint({"step": step, "run_id": run, "w": torch.full((3,), float(step))}, path)
+    try:
+        found = load_agreed_checkpoint(transport, path)
+    except ValueError as exc:
+        return str(exc)
+    return None if found is None else (found[0]["step"], found[0]["w"][0].item(), found[1].name)
+
+
+def test_resume_auto_starts_fresh_when_no_rank_holds_a_checkpoint(tmp_path):
+    assert run_local(3, _resume, tmp_path, [[], [], []]) == [None] * 3
+
+
+def test_resume_takes_the_newest_step_every_rank_holds(tmp_path):
+    """A crash during rank 1's save at step 20 left it at step 10: every rank takes 10, the
+    others from their previous file."""
+    saves = [[(10, "a"), (20, "a")], [(0, "a"), (10, "a")], [(10, "a"), (20, "a")]]
+    assert run_local(3, _resume, tmp_path, saves) == [
+        (10, 10.0, "ckpt-rank0.pt.prev"), (10, 10.0, "ckpt-rank1.pt"), (10, 10.0, "ckpt-rank2.pt.prev")]
+    same = [[(10, "a"), (20, "a")]] * 3
+    assert run_local(3, _resume, tmp_path / "same", same) == [(20, 20.0, f"ckpt-rank{r}.pt")
+                                                             for r in range(3)]
+
+
+@pytest.mark.parametrize("saves,message", [
+    ([[(10, "a")], [], [(10, "a")]], "ranks [1] hold no checkpoint"),
+    ([[(10, "a"), (20, "a")], [(30, "a"), (40, "a")], [(10, "a"), (20, "a")]],
+     "share no checkpoint step (steps by rank: [[10, 20], [30, 40], [10, 20]]"),
+    ([[(10, "a")], [(10, "b")], [(10, "a")]], "share no checkpoint step")])
+def test_ranks_without_a_shared_checkpoint_all_refuse_to_resume(tmp_path, saves, message):
+    got = run_local(3, _resume, tmp_path, saves)
+    assert len(set(got)) == 1 and message in got[0], got
 
 
 # The sparse all-reduces' state dicts held a 'compressor' entry (an unused top-k compressor's

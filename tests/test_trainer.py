@@ -283,12 +283,33 @@ def test_resume_within_an_epoch_from_the_previous_checkpoint_is_bit_identical(tm
     _assert_same_final_params(tmp_path / "full", tmp_path / "cut")
 
 
-def test_resume_refuses_when_ranks_loaded_different_steps(tmp_path):
-    opts = ("--compression", "--compressor", "spardl", "--max-steps", "6", "--checkpoint-every", "2")
-    run_local(2, lambda t: main_trainer.train(_args(tmp_path, *opts), t))
-    (tmp_path / "ckpt-rank1.pt").unlink()  # rank 1 falls back to step 4, rank 0 has step 6
-    with pytest.raises(ValueError, match=r"different steps: \[6, 4\]"):
-        run_local(2, lambda t: main_trainer.train(_args(tmp_path, *opts, "--resume"), t))
+def test_resume_takes_the_step_every_rank_holds_and_stays_bit_identical(tmp_path):
+    """Rank 1's newest checkpoint (step 6) is lost, as a crash during its save would leave it:
+    both ranks resume from step 4, which both hold, and end where an uninterrupted run ends."""
+    opts = ("--compression", "--compressor", "spardl", "--max-steps", "6")
+    run_local(2, lambda t: main_trainer.train(_args(tmp_path / "full", *opts), t))
+    cut = ("--checkpoint-every", "2")
+    run_local(2, lambda t: main_trainer.train(_args(tmp_path / "cut", *opts, *cut), t))
+    (tmp_path / "cut" / "ckpt-rank1.pt").unlink()
+    run_local(2, lambda t: main_trainer.train(_args(tmp_path / "cut", *opts, *cut, "--resume"), t))
+    _assert_same_final_params(tmp_path / "full", tmp_path / "cut")
+
+
+def test_resume_auto_starts_fresh_then_continues(tmp_path):
+    """--resume auto is one command for a job and its restarts: with no checkpoint it trains
+    from the start (the bare --resume refuses on every rank instead), with one it continues,
+    bit-identical to a run never stopped."""
+    opts = ("--compression", "--compressor", "spardl", "--max-epochs", "2")
+    run_local(2, lambda t: main_trainer.train(_args(tmp_path / "full", *opts), t))
+    with pytest.raises(SystemExit, match="no rank holds a checkpoint"):
+        run_local(2, lambda t: main_trainer.train(_args(tmp_path / "cut", *opts, "--resume"), t))
+    first = _args(tmp_path / "cut", "--compression", "--compressor", "spardl", "--max-epochs", "1",
+                  "--resume", "auto")
+    run_local(2, lambda t: main_trainer.train(first, t))
+    records = [json.loads(line) for line in (tmp_path / "cut" / "log.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == 0
+    run_local(2, lambda t: main_trainer.train(_args(tmp_path / "cut", *opts, "--resume", "auto"), t))
+    _assert_same_final_params(tmp_path / "full", tmp_path / "cut")
 
 
 def test_config_file_gives_the_same_options_as_the_command_line(tmp_path):
