@@ -13,11 +13,23 @@ could). A trial that has not ended within the timeout + --grace seconds counts a
 whole process group is then killed. Beside the launcher's end, the first surviving rank's exit
 is timed: torchrun gives a frozen rank 30 s to obey SIGTERM before it sends SIGKILL, so its
 runs end that much after the library noticed.
+
+    python -m benchmarks.faults --restart --trials 10 --json benchmarks/results/faults_restart.json
+
+--restart: the run must instead finish. The trainer runs with --resume auto and a checkpoint
+every --checkpoint-every steps; one rank is killed (SIGKILL) at a random moment; torchrun
+restarts its workers itself (--max-restarts 1), while mpirun and horovodrun, which have no
+restarts of their own, are run again with the same command once, as a scheduler's requeue or
+a shell loop would. Recorded per trial: whether the job finished, the steps lost (the steps
+done when the rank was killed less the step the job resumed from: at most the checkpoint
+interval), and whether the final parameters are bit-identical to those of the same command
+run without a fault.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import random
 import signal
 import statistics
@@ -46,10 +58,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds after the timeout before a run that has not ended is a hang")
     p.add_argument("--delay", default="2,6", help="the fault comes MIN,MAX seconds after the ranks start")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restart", action="store_true",
+                   help="kill a rank and check that the job finishes from its checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="--restart's interval, steps")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.launchers = [x for x in args.launchers.split(",") if x]
     args.faults = [x for x in args.faults.split(",") if x]
+    if args.restart:
+        args.faults = ["kill"]  # a frozen rank is ended by its launcher or the library first
     for given, valid, what in ((args.launchers, LAUNCHERS, "launcher"), (args.faults, FAULTS, "fault")):
         unknown = sorted(set(given) - set(valid))
         if unknown:
@@ -67,6 +84,22 @@ def command(launcher: str, out: Path, timeout: float) -> list[str]:
         "-m", TRAINER, "--dnn", "fashioncnn", "--dataset", "digits", "--compression",
         "--compressor", "spardl", "--batch-size", "16", "--max-epochs", "1000",
         "--max-steps", "100000", "--out", str(out), "--timeout", str(timeout)])
+
+
+RESTART_EPOCHS = 20  # 880 steps of 2 ranks: about 10 s of training here
+
+
+def restart_command(launcher: str, out: Path, timeout: float, every: int) -> list[str]:
+    """A finite run that continues from its newest checkpoint when there is one; under
+    torchrun with one restart of its own."""
+    trainer = ["-m", TRAINER, "--dnn", "fashioncnn", "--dataset", "digits", "--compression",
+               "--compressor", "spardl", "--batch-size", "16", "--max-epochs", str(RESTART_EPOCHS),
+               "--out", str(out), "--timeout", str(timeout), "--resume", "auto",
+               "--checkpoint-every", str(every), "--test-samples", "100"]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=2", "--max-restarts=1", *trainer]
+    return launcher_command(BACKENDS[launcher], 2, trainer)
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -154,6 +187,107 @@ def trial(launcher: str, fault: str, args: argparse.Namespace, rng: random.Rando
             "error_exit": code not in (None, 0)}
 
 
+def _wait(proc: subprocess.Popen, seconds: float) -> int | None:
+    """The exit status, or None when `proc` has not ended within `seconds`."""
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def final_params(out: Path):
+    """Rank 0's parameters at the end of the run in `out`, or None if it did not end."""
+    import torch
+    path = out / "final-rank0.pt"
+    return torch.load(path, weights_only=True)["params"] if path.exists() else None
+
+
+def logged(out: Path, kind: str) -> list[int]:
+    """The steps of rank 0's log records of `kind` ('step': each training step once done;
+    'start': each start of the run), over every start of the run."""
+    import json
+    log = out / "log.jsonl"
+    if not log.exists():
+        return []
+    return [r["step"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == kind]
+
+
+def restart_trial(launcher: str, args: argparse.Namespace, rng: random.Random, tmp: Path,
+                  reference) -> dict[str, Any]:
+    """Kill one rank at a random moment; the job must finish from its checkpoint."""
+    out = tmp / f"restart-{launcher}-{rng.random():.6f}"
+    cmd = restart_command(launcher, out, args.timeout, args.checkpoint_every)
+    budget = args.timeout + args.grace + 120  # a whole run fits in it many times
+    with open(tmp / f"{out.name}.log", "w") as sink:
+        with subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=sink,
+                              stderr=subprocess.STDOUT, start_new_session=True) as proc:
+            try:
+                while len(ranks(proc.pid)) < 2 and proc.poll() is None:
+                    time.sleep(0.1)
+                delay = rng.uniform(*args.delay)
+                time.sleep(delay)
+                victims = ranks(proc.pid)
+                if victims:
+                    os.kill(rng.choice(victims), signal.SIGKILL)
+                done_at_kill = len(logged(out, "step"))
+                code = _wait(proc, budget)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        relaunched = launcher != "torchrun" and code not in (None, 0)
+        if relaunched:  # what a scheduler's requeue (or a shell loop) does
+            with subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=sink,
+                                  stderr=subprocess.STDOUT, start_new_session=True) as proc:
+                code = _wait(proc, budget)
+                if code is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    params = final_params(out)
+    resumed_from = logged(out, "start")[-1]
+    return {"launcher": launcher, "after_start_s": round(delay, 3), "relaunched": relaunched,
+            "finished": code == 0 and params is not None, "exit_code": code,
+            "steps_done_at_kill": done_at_kill, "resumed_from_step": resumed_from,
+            "steps_lost": done_at_kill - resumed_from,
+            "bit_identical": params is not None and bool((params == reference).all())}
+
+
+def summarize_restarts(trials: list[dict[str, Any]], every: int) -> list[dict[str, Any]]:
+    rows = []
+    for launcher in dict.fromkeys(t["launcher"] for t in trials):
+        ts = [t for t in trials if t["launcher"] == launcher]
+        rows.append({"launcher": launcher, "trials": len(ts),
+                     "finished": sum(t["finished"] for t in ts),
+                     "bit_identical": sum(t["bit_identical"] for t in ts),
+                     "max_steps_lost": max(t["steps_lost"] for t in ts),
+                     "checkpoint_every": every})
+    return rows
+
+
+def restart_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'launcher':<12}{'trials':>7}{'finished':>9}{'bit-identical':>14}"
+             f"{'max steps lost':>15}{'checkpoint every':>17}"]
+    for r in rows:
+        lines.append(f"{r['launcher']:<12}{r['trials']:>7}{r['finished']:>9}{r['bit_identical']:>14}"
+                     f"{r['max_steps_lost']:>15}{r['checkpoint_every']:>17}")
+    return "\n".join(lines)
+
+
+def run_restarts(args: argparse.Namespace, rng: random.Random, tmp: Path) -> dict[str, Any]:
+    """--restart: a reference run per launcher, then --trials killed and restarted runs."""
+    trials = []
+    for launcher in args.launchers:
+        out = tmp / f"reference-{launcher}"
+        subprocess.run(restart_command(launcher, out, args.timeout, args.checkpoint_every),
+                       cwd=ROOT, env=launch_env(), capture_output=True, check=True)
+        reference = final_params(out)
+        for _ in range(args.trials):
+            trials.append(restart_trial(launcher, args, rng, tmp, reference))
+            print(trials[-1], flush=True)
+    rows = summarize_restarts(trials, args.checkpoint_every)
+    print(restart_table(rows))
+    return {"summary": rows, "trials": trials}
+
+
 def summarize(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for launcher in dict.fromkeys(t["launcher"] for t in trials):
@@ -192,6 +326,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     rng = random.Random(args.seed)
     trials = []
+    if args.restart:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = {"machine": machine(), "config": {k: v for k, v in vars(args).items()
+                                                       if k != "json"},
+                      **run_restarts(args, rng, Path(tmp))}
+        write_json(args.json, result)
+        return result
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.trials):
             for launcher in args.launchers:

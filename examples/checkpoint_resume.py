@@ -3,24 +3,26 @@
     CHECKPOINT_DIR=/tmp torchrun --standalone --nproc-per-node 2 examples/checkpoint_resume.py
 
 Trains --steps steps without stopping, then trains again from scratch, stops halfway, saves a
-crash-safe checkpoint per rank, builds everything anew (as a restarted job would), loads it
-and finishes. SparDL's residuals, step counters and warm-up progress travel in the compression
-state; without them the resumed run would drop the gradient mass held back in the residuals.
+crash-safe checkpoint per rank, builds everything anew (as a restarted job would), resumes
+from the newest checkpoint every rank holds (load_agreed_checkpoint: None, and a fresh start,
+when no rank holds one) and finishes. SparDL's residuals, step counters and warm-up progress
+travel in the compression state; without them the resumed run would drop the gradient mass
+held back in the residuals. The ranks join through spardl_grace.launch.join, which also keeps
+torchrun's restart rounds apart (--max-restarts; see the reliability guide).
 """
 import os
 import uuid
 
 import torch
-import torch.distributed as dist
 
 import spardl_grace
+from spardl_grace.checkpoint import load_agreed_checkpoint, save_checkpoint
+from spardl_grace.launch import join
 from spardl_grace.transport.torch_dist import destroy_and_exit
-from spardl_grace.checkpoint import check_same_step, load_checkpoint, save_checkpoint
 from toy_task import flat_params, make_model, parse_args, replicas_identical, train_step
 
 args = parse_args(__doc__, steps=40)
-dist.init_process_group("gloo")
-rank = dist.get_rank()
+rank = join().rank
 path = os.path.join(os.environ.get("CHECKPOINT_DIR", "."), f"checkpoint-rank{rank}.pt")
 
 
@@ -50,18 +52,21 @@ save_checkpoint({'model': model.state_dict(), 'optimizer': optimizer.state_dict(
                  'compression': optimizer.compression_state_dict(),
                  'step': half, 'run_id': run_id}, path)
 
-model, optimizer, grc = build()  # the restarted job
-saved, loaded_from = load_checkpoint(path)
-check_same_step(grc.transport, saved['step'], saved['run_id'])  # every rank, or all raise
-model.load_state_dict(saved['model'])
-optimizer.load_state_dict(saved['optimizer'])
-optimizer.load_compression_state_dict(saved['compression'])
-for step in range(saved['step'], args.steps):
+model, optimizer, grc = build()  # the restarted job: the same code starts fresh or resumes
+resumed = load_agreed_checkpoint(grc.transport, path)  # the newest step every rank holds
+first = 0
+if resumed is not None:
+    saved, loaded_from = resumed
+    model.load_state_dict(saved['model'])
+    optimizer.load_state_dict(saved['optimizer'])
+    optimizer.load_compression_state_dict(saved['compression'])
+    first = saved['step']
+for step in range(first, args.steps):
     train_step(model, optimizer, rank, step)
 
 identical = replicas_identical(grc.transport, model)
 if rank == 0:
-    print(f"resumed from {loaded_from.name} at step {saved['step']}; bit-identical to the "
+    print(f"resumed from {loaded_from.name} at step {first}; bit-identical to the "
           f"uninterrupted run: {torch.equal(flat_params(model), uninterrupted)}; "
           f"replicas identical: {identical}", flush=True)
 # torch 2.13's gloo can abort a process that exits normally after its last collective

@@ -26,7 +26,7 @@ SGD runs without its own, with weight decay 1e-4/(1-m) (the same steady-state de
 Evaluation (on rank 0, every --eval-every steps and after each epoch) is not counted in the
 training time, which --time-budget bounds and --target-accuracy measures against (a resumed
 run's clock starts again from zero).
-Rank 0 writes OUT/log.jsonl (one line per step, evaluation and epoch) and OUT/epochs.csv,
+Rank 0 writes OUT/log.jsonl (one line per start, step, evaluation and epoch) and OUT/epochs.csv,
 and, with --log wandb or tensorboard, logs there too. Every rank checkpoints
 OUT/ckpt-rank{r}.pt at the end of each epoch (and every --checkpoint-every steps); --resume
 continues from the newest one every rank holds, and --resume auto does so only when there is
@@ -474,8 +474,8 @@ def lr_factor(step: int, steps_per_epoch: int, args: argparse.Namespace, world: 
 
 
 def read_log(out: str | Path) -> dict[str, list[dict[str, Any]]]:
-    """OUT/log.jsonl by kind: 'step', 'eval', 'epoch' and 'run' (the run's summary), each in
-    the order written."""
+    """OUT/log.jsonl by kind: 'start' (each start of the run, with the step it began at),
+    'step', 'eval', 'epoch' and 'run' (the run's summary), each in the order written."""
     records: dict[str, list[dict[str, Any]]] = {}
     for line in (Path(out) / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -769,11 +769,14 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
             save_checkpoint({"model": model.state_dict(), "optimizer": sync.optimizer.state_dict(),
                              "compression": state, "scheduler": scheduler.state_dict(),
                              "rng": torch.get_rng_state(), "step": step, "run_id": run_id,
+                             "summary": summary,
                              **({"cuda_rng": torch.cuda.get_rng_state(device)}
                                 if device.type == "cuda" else {})},
                             checkpoint)
     logger = Logger(args, rank, {**vars(args), "grace": params, "workers": world},
                     append=resumed is not None)
+    # Each start of the run, fresh or resumed, is on record: a launcher's restarts show.
+    logger.log({"kind": "start", "step": first_step, "resumed": resumed is not None}, first_step)
     progress = _progress(rank, args.max_epochs * steps_per_epoch)
     clock = Clock()
     run = {"time_to_target_s": None, "steps_to_target": None, "steps": 0, "stopped": False,
@@ -814,7 +817,9 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         clock.start()
         return record
 
-    summary: dict[str, Any] = {}
+    # The last finished epoch's summary: a run resumed after its last step (killed while it
+    # was ending) has no epoch left to train and reports the one its checkpoint holds.
+    summary: dict[str, Any] = dict(resumed[0].get("summary", {})) if resumed is not None else {}
     for epoch in range(first_epoch, args.max_epochs):
         order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(
             args.seed * 1000 + epoch * 100 + rank))]

@@ -127,8 +127,47 @@ def join(
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            start_torch_distributed(backend, timeout)
+            _join_torchrun(backend, timeout)
     return default_transport(timeout=timeout)
+
+
+def _join_torchrun(backend: str, timeout: float) -> None:
+    """init_process_group for the ranks torchrun started, in this restart round's own keys.
+
+    torchrun's agent hosts one store for all its restart rounds and its workers use it as it
+    is (TORCHELASTIC_USE_AGENT_STORE; pytorch/pytorch#135712), so the ranks of a restarted
+    round can read the addresses the previous round's ranks published and connect to sockets
+    that no longer exist: gloo then retries until its timeout ('connectFullMesh failed ...
+    Connection refused'), while the ranks that wait for them sit idle. Each round here joins
+    under a prefix of its own (TORCHELASTIC_RESTART_COUNT). Joining is bounded by `timeout`
+    and fails with TransportError naming the round and the rank."""
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world,
+                is_master=False,
+                timeout=timedelta(seconds=timeout),
+            )
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(f"spardl_grace/restart_{attempt}", store),
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=timeout),
+            )
+        else:
+            start_torch_distributed(backend, timeout)
+    except RuntimeError as exc:  # torch's DistError and gloo's errors are RuntimeErrors
+        raise TransportError(
+            f"torchrun restart round {attempt}: rank {rank} of {world} could not join the "
+            f"others within {timeout:g} s ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def open_mpi_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -243,7 +243,8 @@ def test_log_files_hold_every_step_and_epoch(tmp_path):
     args = _args(tmp_path, "--compression", "--compressor", "spardl", "--max-epochs", "2")
     run_local(2, lambda t: main_trainer.train(args, t))
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in records] == (["step"] * 3 + ["eval", "epoch"]) * 2 + ["run"]
+    assert [r["kind"] for r in records] == ["start"] + (["step"] * 3 + ["eval", "epoch"]) * 2 + ["run"]
+    assert records[0] == {"kind": "start", "step": 0, "resumed": False}
     epoch = records[-1]
     assert 0 < epoch["compression_ratio"] < 0.5 and epoch["bytes_sent_per_step"] > 0
     assert len((tmp_path / "epochs.csv").read_text().splitlines()) == 3
@@ -306,10 +307,26 @@ def test_resume_auto_starts_fresh_then_continues(tmp_path):
     first = _args(tmp_path / "cut", "--compression", "--compressor", "spardl", "--max-epochs", "1",
                   "--resume", "auto")
     run_local(2, lambda t: main_trainer.train(first, t))
-    records = [json.loads(line) for line in (tmp_path / "cut" / "log.jsonl").read_text().splitlines()]
-    assert records[0]["step"] == 0
     run_local(2, lambda t: main_trainer.train(_args(tmp_path / "cut", *opts, "--resume", "auto"), t))
     _assert_same_final_params(tmp_path / "full", tmp_path / "cut")
+    records = [json.loads(line) for line in (tmp_path / "cut" / "log.jsonl").read_text().splitlines()]
+    starts = [r for r in records if r["kind"] == "start"]
+    assert starts == [{"kind": "start", "step": 0, "resumed": False},
+                      {"kind": "start", "step": 3, "resumed": True}]
+
+
+def test_resume_auto_after_the_last_step_ends_with_the_run_it_resumed(tmp_path):
+    """A run killed while it was ending (every step done and checkpointed) and started again:
+    nothing is left to train, and it ends as the finished run did, with its last epoch's
+    figures and parameters."""
+    opts = ("--compression", "--compressor", "spardl", "--max-epochs", "2", "--resume", "auto")
+    run_local(2, lambda t: main_trainer.train(_args(tmp_path, *opts), t))
+    finished = torch.load(tmp_path / "final-rank0.pt", weights_only=True)
+    again = run_local(2, lambda t: main_trainer.train(_args(tmp_path, *opts), t))
+    assert torch.equal(torch.load(tmp_path / "final-rank0.pt", weights_only=True)["params"],
+                       finished["params"])
+    assert again[0]["test_accuracy"] == finished["summary"]["test_accuracy"]
+    assert again[0]["steps_run"] == 0
 
 
 def test_config_file_gives_the_same_options_as_the_command_line(tmp_path):
