@@ -21,6 +21,7 @@ from . import huffman
 
 PRIME = 2**31 - 1  # hash modulus: a*x + b stays below 2**62 for x < 2**31
 POLICIES = ("p0", "leftmost", "random", "conflict_sets")
+QUERY_CHUNK = 1 << 16  # positions a CPU Bloom query takes at a time
 
 
 class IndexCodec(CodecPart):
@@ -179,10 +180,14 @@ class HuffmanIndex(IndexCodec):
 
 class BloomIndex(IndexCodec):
     """'bloom': a Bloom filter of the positions. m = ceil(-r ln(eps) / ln(2)^2) bits and
-    h = ceil(log2(1/eps)) hash functions h_i(x) = ((a_i x + b_i) mod (2^31 - 1)) mod m, with
-    (a_i, b_i) drawn from `seed`: every rank derives the same functions, nothing is shipped.
-    eps is `fpr`, or 0.1 r/size when None. The receiver queries every position of the block;
-    the positives contain the r true positions plus about eps (size - r) false ones. Policies:
+    h = ceil(log2(1/eps)) hash functions h_i(x) = floor(((a_i x + b_i) mod (2^31 - 1)) m / 2^31),
+    with (a_i, b_i) drawn from `seed`: every rank derives the same functions, nothing is
+    shipped. The residue mod 2^31 - 1 is taken with shifts and masks and mapped onto the m bits
+    by a multiply and a shift, so no hash needs a division. eps is `fpr`, or 0.1 r/size when
+    None. The receiver queries every position of the block, one hash function at a time on the
+    positions still positive (each function clears about half of them when the filter is half
+    full, so the block costs about two hash evaluations a position, not h); the positives
+    contain the r true positions plus about eps (size - r) false ones. Policies:
       p0            all positives (exact reconstruction, values also sent for false positives);
       leftmost      the first r positives;
       random        r positives drawn with a generator keyed by (seed, message key);
@@ -208,19 +213,48 @@ class BloomIndex(IndexCodec):
         bits = max(8, math.ceil(-max(count, 1) * math.log(eps) / math.log(2) ** 2))
         return bits, max(1, math.ceil(math.log2(1 / eps)))
 
+    def _coefficients(self, hashes: int, device) -> torch.Tensor:
+        """(hashes, 2) int64: a_i in 1..P-1 and b_i in 0..P-1, the same on every rank."""
+        g = torch.Generator().manual_seed(stable_seed("bloom", self.seed))
+        a = torch.randint(1, PRIME, (hashes,), generator=g, dtype=torch.int64)
+        b = torch.randint(0, PRIME, (hashes,), generator=g, dtype=torch.int64)
+        return torch.stack([a, b], dim=1).to(device)
+
+    @staticmethod
+    def _hash(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int) -> torch.Tensor:
+        """floor(((a x + b) mod P) bits / 2^31) for positions x < 2^31: a x + b < 2^62, folded
+        twice at bit 31 (2^31 = 1 mod P) into 0..P, where P itself (= 0 mod P) cannot occur,
+        then scaled onto 0..bits-1 (a product below 2^63)."""
+        t = x * a
+        t += b
+        s = t & PRIME
+        s += t >> 31
+        t = s & PRIME
+        t += s >> 31
+        t *= bits
+        return t >> 31
+
     def _hashes(self, x: torch.Tensor, bits: int, hashes: int) -> torch.Tensor:
         """(hashes, len(x)) bit positions."""
-        g = torch.Generator().manual_seed(stable_seed("bloom", self.seed))
-        a = torch.randint(1, PRIME, (hashes, 1), generator=g, dtype=torch.int64).to(x.device)
-        b = torch.randint(0, PRIME, (hashes, 1), generator=g, dtype=torch.int64).to(x.device)
-        return ((a * x.reshape(1, -1) + b) % PRIME) % bits
+        coefficients = self._coefficients(hashes, x.device)
+        return torch.stack([self._hash(x, a, b, bits) for a, b in coefficients])
 
     def _positives(self, bitmap: torch.Tensor, size: int, hashes: int) -> torch.Tensor:
-        everything = torch.arange(size, device=bitmap.device, dtype=torch.int64)
-        hit = torch.ones(size, dtype=torch.bool, device=bitmap.device)
-        for row in self._hashes(everything, bitmap.numel(), hashes):  # loop over hash functions
-            hit &= bitmap[row]
-        return everything[hit]
+        """Every position of the block the filter reports, in order. On the CPU the block is
+        queried in chunks of QUERY_CHUNK positions, whose temporaries stay in the cache."""
+        coefficients = self._coefficients(hashes, bitmap.device)
+        chunk = size if bitmap.device.type != "cpu" else QUERY_CHUNK
+        found = []
+        for start in range(0, size, chunk):
+            positives = torch.arange(
+                start, min(size, start + chunk), device=bitmap.device, dtype=torch.int64
+            )
+            for a, b in coefficients:  # loop over hash functions
+                positives = positives[bitmap[self._hash(positives, a, b, bitmap.numel())]]
+            found.append(positives)
+        return (
+            torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=bitmap.device)
+        )
 
     def _choose(
         self, positives: torch.Tensor, count: int, bits: int, hashes: int, key: str

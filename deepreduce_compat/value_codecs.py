@@ -155,21 +155,26 @@ SEGMENT_RATIOS = (
 MIN_EDGE = 30  # edge segments shorter than this are merged into the middle one
 
 
-def segment_lengths(count: int) -> list[int]:
-    """DeepReduce's segmentation of `count` sorted values: geometric edge segments at both ends
-    (where sorted gradient values bend sharply) and one long middle segment."""
+def segment_lengths(count: int, largest_first: bool = True) -> list[int]:
+    """DeepReduce's segmentation of `count` values of one sign sorted by magnitude: the finest
+    segments at the large-magnitude end, where sorted gradient values bend sharply (count/100000,
+    count/30000, ..., count/5, each kept only if longer than MIN_EDGE), then one segment for the
+    rest, towards zero. `largest_first`: the values run from the largest magnitude down (the
+    positives sorted descending); otherwise up to it (the negatives sorted descending)."""
     edges = [int(count * r) for r in SEGMENT_RATIOS if int(count * r) > MIN_EDGE]
-    lengths = edges[::-1] + [count - 2 * sum(edges)] + edges
-    return [n for n in lengths if n > 0]
+    lengths = [n for n in [*edges, count - sum(edges)] if n > 0]
+    return lengths if largest_first else lengths[::-1]
 
 
 class CurveFitValues(ValueCodec):
     """Curve fitting of sorted values: sort the values descending, split them into positives
     and the rest (the jump across zero would spoil one fit), cut each part into DeepReduce's
-    segments, fit each segment with `params` float32 coefficients on x normalised to a fixed
-    interval, and send the segment lengths, the coefficients, and the permutation back to
-    position order (ceil(log2 r) bits per value). Segments too short to fit are sent raw.
-    Subclasses say how a segment is fitted and evaluated."""
+    segments (finest at the large magnitudes), fit each segment with `params` float32
+    coefficients on x normalised to a fixed interval, and send the segment lengths and the
+    coefficients; segments too short to fit are sent raw. `encode` adds the permutation back
+    to position order (ceil(log2 r) bits per value); `encode_ordered` leaves it out for a
+    caller that sends the positions in the values' sorted order instead, as DeepReduce's
+    value-only mode does. Subclasses say how a segment is fitted and evaluated."""
 
     params = 1
 
@@ -181,29 +186,36 @@ class CurveFitValues(ValueCodec):
         """The float64 curve of float32 `coef` at `length` points."""
         raise NotImplementedError
 
-    def encode(self, values, key):
-        count = values.numel()
-        order = torch.argsort(values.float(), descending=True, stable=True)
-        ordered = values[order].to(torch.float64)
+    @staticmethod
+    def sort_order(values: torch.Tensor) -> torch.Tensor:
+        """The order (descending, stable) in which encode_ordered takes `values`."""
+        return torch.argsort(values.float(), descending=True, stable=True)
+
+    def encode_ordered(self, ordered: torch.Tensor) -> torch.Tensor:
+        """The section for values already in sort_order: segment lengths and coefficients."""
+        ordered = ordered.to(torch.float64)
         positives = int((ordered > 0).sum())
-        lengths = segment_lengths(positives) + segment_lengths(count - positives)
+        lengths = segment_lengths(positives) + segment_lengths(
+            ordered.numel() - positives, largest_first=False
+        )
         parts = [
             segment.to(torch.float32) if segment.numel() <= self.params else self.fit(segment)
             for segment in torch.split(ordered, lengths)
         ]
-        width = bitpack.width_for(max(count - 1, 0))
         floats = (
-            torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=values.device)
+            torch.cat(parts)
+            if parts
+            else torch.empty(0, dtype=torch.float32, device=ordered.device)
         )
         return torch.cat(
-            [
-                bitpack.u32s([self.params, len(lengths), *lengths], values.device),
-                as_bytes(floats),
-                bitpack.pack(order, width),
-            ]
+            [bitpack.u32s([self.params, len(lengths), *lengths], ordered.device), as_bytes(floats)]
         )
 
-    def decode(self, section, count, dtype, key):
+    def decode_ordered(
+        self, section: torch.Tensor, count: int, exact: bool = True
+    ) -> tuple[torch.Tensor, int]:
+        """(the `count` fitted values in sort order as float64, the bytes of `section` they
+        took); with `exact`, ValueError unless they took all of it."""
         params, segments = bitpack.read_u32s(section, 2)
         if params != self.params or segments < 0 or segments > count + 1:
             raise ValueError(
@@ -215,22 +227,38 @@ class CurveFitValues(ValueCodec):
             raise ValueError(f"{self.name} segment lengths {lengths} do not add up to {count}")
         sizes = [n if n <= params else params for n in lengths]
         start = 4 * (2 + segments)
-        width = bitpack.width_for(max(count - 1, 0))
-        if section.numel() != start + 4 * sum(sizes) + bitpack.packed_size(count, width):
+        used = start + 4 * sum(sizes)
+        if section.numel() < used or (exact and section.numel() != used):
             raise ValueError(
                 f"{self.name} section of {section.numel()} bytes does not match its header"
             )
-        floats = from_bytes(section[start : start + 4 * sum(sizes)].clone(), torch.float32)
-        order = bitpack.unpack(section[start + 4 * sum(sizes) :], count, width)
-        if count and (int(order.max()) >= count or torch.unique(order).numel() != count):
-            raise ValueError(f"{self.name} permutation is not a permutation")
+        floats = from_bytes(section[start:used].clone(), torch.float32)
         ordered = [
             chunk.to(torch.float64) if n <= params else self.evaluate(chunk, n)
             for n, chunk in zip(lengths, torch.split(floats, sizes))
         ]
+        if not ordered:
+            return torch.zeros(0, dtype=torch.float64, device=section.device), used
+        return torch.cat(ordered), used
+
+    def encode(self, values, key):
+        order = self.sort_order(values)
+        width = bitpack.width_for(max(values.numel() - 1, 0))
+        return torch.cat([self.encode_ordered(values[order]), bitpack.pack(order, width)])
+
+    def decode(self, section, count, dtype, key):
+        ordered, used = self.decode_ordered(section, count, exact=False)
+        width = bitpack.width_for(max(count - 1, 0))
+        if section.numel() != used + bitpack.packed_size(count, width):
+            raise ValueError(
+                f"{self.name} section of {section.numel()} bytes does not match its header"
+            )
+        order = bitpack.unpack(section[used:], count, width)
+        if count and (int(order.max()) >= count or torch.unique(order).numel() != count):
+            raise ValueError(f"{self.name} permutation is not a permutation")
         out = torch.zeros(count, dtype=torch.float64, device=section.device)
         if count:
-            out[order] = torch.cat(ordered)
+            out[order] = ordered
         return out.to(dtype)
 
 

@@ -210,6 +210,8 @@ DGC_TECHNIQUE_MEMORIES = {"global_residual", "residual"}
 
 #: the sparse all-reduces' own wire formats (key 'wire')
 WIRES = ("exact", "compact")
+#: the top-k kernels GRACE's topk compressor offers (its "kernel" key)
+TOPK_KERNELS = ("torch", "cupy", "rdxtopk_cuda")
 
 PARAMS: tuple[Param, ...] = (
     Param(
@@ -256,6 +258,14 @@ PARAMS: tuple[Param, ...] = (
     ),
     ranged(
         "world_size", None, "if given, checked against the transport's", optional(int_at_least(1))
+    ),
+    Param(
+        "kernel",
+        "torch",
+        "GRACE's top-k kernel (torch, cupy, rdxtopk_cuda): accepted for GRACE's configs; every "
+        "one selects the same k largest magnitudes, here with the library's own selection",
+        choices=TOPK_KERNELS,
+        kind="top-k kernel",
     ),
     ranged("teams", 1, "SparDL's d (must divide the number of workers)", int_at_least(1)),
     ranged("powersgd_rank", 1, "PowerSGD's rank", int_at_least(1)),

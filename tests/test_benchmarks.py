@@ -501,6 +501,21 @@ def test_kernel_timings_refuse_cuda_without_a_gpu(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
+def test_bloom_speed_benchmark_times_both_filters_on_the_same_positions():
+    """benchmarks.bloom_speed at a small size: this library's filter and the C filter
+    DeepReduce's bloom_cpu uses (installed by the set-up) decode every true position, and the
+    C filter at the same rate lets through false positives of the same order."""
+    from benchmarks import bloom_speed
+    result = bloom_speed.main(["--numel", "20000", "--densities", "0.01", "--repeat", "1"])
+    row, = result["rows"]
+    assert row["k"] == 200 and row["ours"]["total_ms"] > 0
+    assert row["c_filter"] is not None, "pybloomfiltermmap3 is part of the set-up"
+    expected = 0.1 * 200 / 20000 * (20000 - 200)  # eps (n - k)
+    for side in ("ours", "c_filter"):
+        assert 0 <= row[side]["false_positives"] < 4 * expected + 10
+    assert row["ours_vs_c"] == row["ours"]["total_ms"] / row["c_filter"]["total_ms"]
+
+
 # ------------------------------------------------------------------ training-step benchmark
 def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
     """PyTorch's DDP and PowerSGD hook beside SparDL, a few real steps each on an emulated

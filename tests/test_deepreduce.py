@@ -2,7 +2,9 @@
 real gradients, the wire format's error detection, and coded sparse all-reduces."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +14,12 @@ from hypothesis import strategies as st
 import scenarios
 from deepreduce_compat import (INDEX_CODECS, VALUE_CODECS, DeepReduce, IndexCompressor,
                                ValueCompressor, codec_from_params, deepreduce_from_params)
-from deepreduce_compat import huffman
+from deepreduce_compat import huffman, wire
 from deepreduce_compat.index_codecs import (BloomIndex, DeltaIndex, HuffmanIndex, RawIndex,
                                             RunLengthIndex)
 from deepreduce_compat.value_codecs import (DeflateValues, DoubleExpValues, FP16Values,
-                                            PolyFitValues, QSGDValues, RawValues)
+                                            PolyFitValues, QSGDValues, RawValues,
+                                            segment_lengths)
 from experiments.datasets import load_fashion_mnist
 from experiments.models.small import FashionCNN
 from sparse_checks import check_consistent_and_conserving, run_steps
@@ -217,8 +220,9 @@ def real_gradient() -> torch.Tensor:
 @pytest.mark.parametrize("degree", [3, 5])
 def test_polyfit_relative_error_on_a_real_gradient(degree):
     """FashionCNN's gradient on 256 Fashion-MNIST images, top 10% by magnitude (1,837 values).
-    Measured relative L2 error: 0.030 (degree 3), 0.016 (degree 5), in 39% of the raw
-    bytes (mostly the permutation back to position order). Bound: 0.1."""
+    Measured relative L2 error: 0.018 (degree 3), 0.008 (degree 5; 0.030 and 0.016 before the
+    finest segments moved to the large magnitudes), in 37% of the raw bytes (mostly the
+    permutation back to position order, which value-only mode does without). Bound: 0.1."""
     grad = real_gradient()
     top = torch.topk(grad.abs(), grad.numel() // 10).indices
     values = grad[torch.sort(top).values]
@@ -234,7 +238,7 @@ def test_polyfit_relative_error_on_a_real_gradient(degree):
 
 def test_dexp_relative_error_on_a_real_gradient():
     """The same 1,837 values as above with a * exp(b x) + c * exp(d x) per segment. Measured:
-    relative error 0.029, as good as a cubic in the same bytes. Bound: 0.1."""
+    relative error 0.020, as good as a cubic in the same bytes. Bound: 0.1."""
     grad = real_gradient()
     values = grad[torch.sort(torch.topk(grad.abs(), grad.numel() // 10).indices).values]
     codec = DoubleExpValues()
@@ -252,6 +256,56 @@ def test_dexp_recovers_a_double_exponential_on_its_grid():
     codec = DoubleExpValues()
     decoded = codec.decode(codec.encode(curve, "k"), curve.numel(), torch.float64, "k")
     assert float((decoded - curve).norm() / curve.norm()) < 1e-3
+
+
+def test_segments_put_the_finest_at_the_large_magnitude_ends():
+    """DeepReduce's segments (its get_segments): count/30, count/10, count/5 from the large
+    magnitudes, then the rest towards zero; the negatives, sorted descending, mirror it."""
+    assert segment_lengths(1482) == [49, 148, 296, 989]
+    assert segment_lengths(1482, largest_first=False) == [989, 296, 148, 49]
+    assert segment_lengths(10**6) == [33, 100, 333, 1000, 3333, 10000, 33333, 100000, 200000,
+                                      651868]
+    assert segment_lengths(150) == [150] and segment_lengths(0) == []
+
+
+def _polyfit_value_only(block, k):
+    codec = codec_from_params({"deepreduce": "value", "value": "polyfit"})
+    chosen = torch.topk(block.abs(), k).indices
+    return codec, chosen, codec.encode(block, chosen, "k")
+
+
+def test_value_only_polyfit_sends_positions_in_value_order_and_no_permutation():
+    """As DeepReduce's value-only mode: the int32 positions follow the sorted values, so the
+    message is header + 4 bytes a position + the coefficients (no ceil(log2 k)-bit
+    permutation), the receiver decodes exactly what the sender reports, and at density 0.01 on
+    1e6 Gaussian entries it takes 4.03 bytes an entry (the authors' code: 4.05; asked: 4.5)
+    with the authors' error (8.88e-4 relative L2, measured with their code on the same input)."""
+    block = torch.randn(10**6, generator=torch.Generator().manual_seed(0))
+    codec, chosen, enc = _polyfit_value_only(block, 10**4)
+    coefficients = codec.value.encode_ordered(block[chosen].sort(descending=True).values)
+    assert enc.data.numel() == wire.header_bytes(10**4, 4 * 10**4) + 4 * 10**4 + coefficients.numel()
+    assert enc.data.numel() / 10**4 <= 4.05
+    positions, values = codec.decode(enc.data, 10**6, torch.float32, torch.device("cpu"), "k")
+    assert torch.equal(positions, enc.indices) and torch.equal(values, enc.values)
+    assert torch.equal(positions, torch.sort(chosen).values)
+    exact = block[positions]
+    assert float((values - exact).norm() / exact.norm()) < 9e-4
+
+
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+@pytest.mark.parametrize("k", [1, 2, 7, 500, 5000])
+def test_curve_fits_of_one_sign_and_of_single_values(sign, k):
+    """Every selected value negative (the authors' polyfit raises 'linalg.inv: singular' there)
+    or positive, down to one value: finite, and exact where values are sent raw."""
+    block = sign * torch.rand(20000, generator=torch.Generator().manual_seed(k)) + sign * 0.01
+    for value in ("polyfit", "dexp"):
+        codec = codec_from_params({"deepreduce": "value", "value": value})
+        enc = codec.encode(block, torch.topk(block.abs(), k).indices, "k")
+        exact = block[enc.indices]
+        assert bool(torch.isfinite(enc.values).all())
+        assert float((enc.values - exact).norm() / exact.norm()) < 0.01
+        if k <= codec.value.params:
+            assert torch.equal(enc.values, exact)
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 4, 5, 6, 7, 40])
@@ -303,20 +357,48 @@ def test_every_single_byte_flip_and_every_truncation_raises(params):
             codec.decode(data[:length], 3000, torch.float32, torch.device("cpu"), "k")
 
 
-def test_a_message_for_another_codec_or_block_is_rejected():
+def test_a_message_for_another_codec_block_or_dtype_is_rejected():
+    """The header does not carry codecs, block size or dtype (the receiver knows them), but
+    its checksum covers them: a message read with any other raises."""
     block = torch.randn(500)
     data = codec_from_params({"deepreduce": "both", "index": "delta", "value": "fp16"}).encode(
         block, torch.arange(10), "k").data
-    other = codec_from_params({"deepreduce": "both", "index": "rle", "value": "fp16"})
-    with pytest.raises(ValueError, match="coded with codecs"):
-        other.decode(data, 500, torch.float32, torch.device("cpu"), "k")
     same = codec_from_params({"deepreduce": "both", "index": "delta", "value": "fp16"})
-    with pytest.raises(ValueError, match="block of 500"):
-        same.decode(data, 400, torch.float32, torch.device("cpu"), "k")
+    assert same.decode(data, 500, torch.float32, torch.device("cpu"), "k")[0].tolist() == list(range(10))
+    other = codec_from_params({"deepreduce": "both", "index": "rle", "value": "fp16"})
+    for codec, size, dtype in ((other, 500, torch.float32), (same, 400, torch.float32),
+                               (same, 500, torch.float64)):
+        with pytest.raises(ValueError, match="checksum mismatch.*another block size, dtype or codec"):
+            codec.decode(data, size, dtype, torch.device("cpu"), "k")
+
+
+@pytest.mark.parametrize("entries,index_bytes,header", [(18, 72, 6), (0, 0, 6), (127, 127, 6),
+                                                        (128, 512, 8), (10**6, 4 * 10**6, 11)])
+def test_the_header_is_six_bytes_on_small_messages(entries, index_bytes, header):
+    """CRC-32 and two LEB128 lengths: 6 bytes up to 127 entries and index bytes (the 32-byte
+    header of version 1 cost 1.8 bytes an entry on an 18-entry message)."""
+    assert wire.header_bytes(entries, index_bytes) == header
+
+
+@pytest.mark.parametrize("entries", [0, 18, 100])
+def test_a_message_is_its_header_and_sections(entries):
+    codec = codec_from_params({"deepreduce": "index", "index": "none"})
+    message = codec.encode(torch.randn(1000), torch.arange(entries), "k").data
+    assert message.numel() == wire.header_bytes(entries, 4 * entries) + 8 * entries
+
+
+@given(st.integers(0, 2**63 - 1))
+def test_varints_round_trip(value):
+    data = wire.varint(value)
+    assert wire.read_varint(data, 0) == (value, len(data))
+    with pytest.raises(ValueError):
+        wire.read_varint(data[:-1], 0)
 
 
 # ------------------------------------------------------------------ coded sparse all-reduces
 CODED = [("spardl", {"index": "bloom", "value": "polyfit"}),
+         ("spardl", {"index": "none", "value": "polyfit"}),  # positions in the values' order
+         ("topka", {"index": "none", "value": "dexp"}),
          ("spardl", {"index": "bloom", "value": "qsgd", "policy": "random"}),
          ("spardl", {"index": "delta", "value": "fp16", "teams": 2}),
          ("topka", {"index": "bloom", "value": "polyfit", "policy": "conflict_sets"}),
@@ -375,10 +457,61 @@ def test_deepreduce_from_params_wraps_grace_communicators_and_conserves():
     assert torch.allclose(total, 3 * out[0][1] + sum(o[2] for o in out), atol=1e-4)
 
 
+RUN_CONFIGS = json.loads((Path(__file__).parent / "data" / "deepreduce_run_configs.json")
+                         .read_text())["configs"]
+
+
+@pytest.mark.parametrize("params", RUN_CONFIGS, ids=range(len(RUN_CONFIGS)))
+def test_the_authors_run_configs_run_unchanged(params, caplog):
+    """Every config DeepReduce's run_deepreduce.sh passes, verbatim, at CI size: 2 ranks, 3
+    steps of a 3,000-entry tensor; the ranks agree and the results are finite. (Their configs
+    with 'micro-benchmark' and 'buckets_num' were refused before.)"""
+    import warnings
+
+    def fn(t):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # buckets_num says it changes nothing
+            grc = deepreduce_from_params(dict(params), transport=t)
+        out = []
+        for step in range(3):
+            grad = torch.randn(3000, generator=torch.Generator().manual_seed(10 * t.rank + step))
+            out.append(grc.step(grad, "layer"))
+        return out
+    with caplog.at_level("INFO", logger="deepreduce_compat.micro_benchmark"):
+        results = run_local(2, fn)
+    for a, b in zip(*results):
+        assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+    if params.get("micro-benchmark"):
+        lines = [r.getMessage() for r in caplog.records]
+        for what in ("idx_compression time:", "idx_decompression time:",
+                     "idx_relative_volume: ", "val_relative_volume: "):
+            assert any(line.startswith(what) for line in lines), what
+
+
+def test_buckets_num_warns_that_it_changes_nothing():
+    with pytest.warns(UserWarning, match="'buckets_num' is read by neither"):
+        run_local(1, lambda t: deepreduce_from_params(
+            {"compressor": "topk", "memory": "residual", "communicator": "allgather",
+             "deepreduce": "value", "value": "qsgd", "buckets_num": 128}, transport=t))
+
+
+@pytest.mark.parametrize("alias,name", [({"index": "bloom_cpu"}, "deepreduce[bloom+none]"),
+                                        ({"value": "polyfit_cpu"}, "deepreduce[none+polyfit]"),
+                                        ({"value": "gzip"}, "deepreduce[none+deflate]")])
+def test_the_authors_cpu_codec_names_are_aliases(alias, name):
+    mode = "index" if "index" in alias else "value"
+    assert codec_from_params({"deepreduce": mode, **alias}).name == name
+
+
 @pytest.mark.parametrize("params,match", [
     ({"deepreduce": "all"}, "unknown deepreduce mode 'all'.*'value', 'index', 'both'"),
-    ({"deepreduce": "both", "index": "huffmann"}, "unknown index codec 'huffmann'.*bloom, delta"),
-    ({"deepreduce": "both", "value": "gzip"}, "unknown value codec 'gzip'.*deflate"),
+    ({"deepreduce": "both", "index": "huffmann"},
+     "unknown index codec 'huffmann'.*bloom, bloom_cpu, delta"),
+    ({"deepreduce": "both", "value": "gzipp"}, "unknown value codec 'gzipp'.*deflate.*gzip"),
+    ({"deepreduce": "both", "index": "gzip"}, "'gzip' codes values in DeepReduce.*'value': 'gzip'"),
+    ({"deepreduce": "both", "sort": "yes"}, "'sort' must be True or False"),
+    ({"deepreduce": "both", "micro-benchmark": 1}, "'micro-benchmark' must be True or False"),
+    ({"compressor": "topk", "kernel": "cuda"}, "unknown top-k kernel .cuda.; valid choices: cupy, rdxtopk_cuda, torch"),
     ({"deepreduce": "index", "policy": "p1"}, "unknown bloom policy 'p1'.*conflict_sets"),
     ({"deepreduce": "both", "fpr": 2.0}, "fpr must be in"),
     ({"deepreduce": "both", "poly_degree": -1}, "poly_degree must be"),
