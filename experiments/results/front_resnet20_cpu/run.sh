@@ -6,7 +6,7 @@
 # writes elsewhere (the runs were made from a worktree of the commit named in README.md).
 cd "$(dirname "$0")/../../.."
 python -m experiments.ablation --dnn resnet20 \
-  --configs dense,spardl@0.01+warmup16+compact,powersgd4,spardl@0.001+warmup2ep+compact,powersgd1,spardl@0.003+warmup2ep+compact,powersgd2,fp16,topka@0.003+warmup2ep+compact,postlocal4,postlocal16,postlocal64,spardl@0.01+warmup16+exact \
+  --configs dense,spardl@0.01+warmup16+compact,powersgd4,spardl@0.001+warmup2ep+compact,powersgd1,spardl@0.05+warmup16+compact,spardl@0.003+warmup2ep+compact,powersgd2,fp16,topka@0.003+warmup2ep+compact,postlocal4,postlocal16,postlocal64,spardl@0.01+warmup16+exact \
   --seeds 0,1,2 --workers 4 --lr 0.1 --max-epochs 8 --train-samples 60000 --test-samples 10000 \
   --extra "--warmup-epochs 0.5 --lr-decay 5,7 --timeout 3600" --parallel 1 \
   --out "${OUT:-experiments/results/front_resnet20_cpu}"
