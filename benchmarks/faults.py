@@ -244,10 +244,13 @@ def restart_trial(launcher: str, args: argparse.Namespace, rng: random.Random, t
                     os.killpg(proc.pid, signal.SIGKILL)
     params = final_params(out)
     resumed_from = logged(out, "start")[-1]
+    # Killed after its last step (while it was ending), a run loses nothing; killed before,
+    # it finished only by starting again, at its last start's step.
+    ended_before_kill = done_at_kill >= len(set(logged(out, "step")))
     return {"launcher": launcher, "after_start_s": round(delay, 3), "relaunched": relaunched,
             "finished": code == 0 and params is not None, "exit_code": code,
             "steps_done_at_kill": done_at_kill, "resumed_from_step": resumed_from,
-            "steps_lost": done_at_kill - resumed_from,
+            "steps_lost": 0 if ended_before_kill else done_at_kill - resumed_from,
             "bit_identical": params is not None and bool((params == reference).all())}
 
 

@@ -562,11 +562,11 @@ def test_time_budget_target_and_evaluations(tmp_path):
     same = ("test_accuracy", "time_to_target_s", "steps_to_target", "steps_run", "stopped_by_budget")
     assert [{k: s[k] for k in same} for s in summaries] == [{k: summaries[0][k] for k in same}] * 2
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in records] == ["step", "step", "eval", "epoch", "run"]
+    assert [r["kind"] for r in records] == ["start", "step", "step", "eval", "epoch", "run"]
     run = records[-1]
     assert run["stopped_by_budget"] and run["steps_run"] == 2 and run["steps_to_target"] == 2
-    assert 0 < run["time_to_target_s"] == records[2]["train_s"] <= records[3]["train_s"]
-    assert records[2]["eval/top-1"] == records[3]["test_accuracy"] == run["test_accuracy"]
+    assert 0 < run["time_to_target_s"] == records[3]["train_s"] <= records[4]["train_s"]
+    assert records[3]["eval/top-1"] == records[4]["test_accuracy"] == run["test_accuracy"]
 
 
 def test_bandwidth_needs_root_or_says_why(tmp_path):
