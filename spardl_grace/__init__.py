@@ -8,6 +8,7 @@ optimizer = DistributedOptimizer(optimizer, grc, named_parameters=model.named_pa
 ddp.register_comm_hook(CommHookState(grc, ddp), comm_hook)         # DDP
 """
 
+from . import fsdp
 from .api import Communicator, Compressor, Memory, SparseAllreduce, Synchronizer
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ddp import CommHookState, comm_hook
@@ -42,6 +43,7 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "comm_hook",
+    "fsdp",
     "grace_from_params",
     "register_with_grace_dl",
     "resolve_params",

@@ -12,9 +12,10 @@ EXAMPLES = ROOT / "examples"
 LOSS = re.compile(r"loss (\d+\.\d+) -> (\d+\.\d+) over \d+ steps; replicas identical: True")
 
 
-def run_example(backend: str, script: str, *args: str, env: dict[str, str] | None = None) -> str:
+def run_example(backend: str, script: str, *args: str, env: dict[str, str] | None = None,
+                nprocs: int = 2) -> str:
     require(backend)
-    cmd = launcher_command(backend, 2, [str(EXAMPLES / script), *args])
+    cmd = launcher_command(backend, nprocs, [str(EXAMPLES / script), *args])
     proc = subprocess.run(cmd, cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}"
@@ -37,6 +38,11 @@ def trained(output: str) -> tuple[float, float]:
     ("horovod-gloo", "grace_migration.py"), ("horovod-mpi", "grace_migration.py")])
 def test_example_trains_with_identical_replicas(backend, script):
     trained(run_example(backend, script))
+
+
+def test_fsdp_example_trains_with_the_same_shards_on_both_nodes():
+    """examples/fsdp_hybrid.py as its docstring runs it: 4 ranks, a 2 x 2 mesh, no argument."""
+    trained(run_example("gloo", "fsdp_hybrid.py", nprocs=4))
 
 
 def test_examples_compute_the_same_spardl_under_every_launcher():
