@@ -18,10 +18,12 @@ same average.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import torch
+import torch.distributed
 
 from .transport.torch_dist import TorchDistTransport
 
@@ -46,12 +48,20 @@ class ReplicaHook:
 
 class HybridSync:
     """What hybrid_shard set up: the communicator across the replicas (`grace`) and each
-    unit's hook by name (`hooks`). state_dict / load_state_dict carry this rank's compression
-    state (residuals, step counters, warm-up progress); save it per rank beside the model's."""
+    unit's hook by name (`hooks`).
 
-    def __init__(self, grace: Any, hooks: Mapping[str, ReplicaHook]):
+    Its compression state (residuals, step counters, warm-up progress) is per rank. It is a
+    Stateful for torch.distributed.checkpoint: put it in the state dict you save and load, as
+    with the model's and the optimizer's,
+
+        dcp.save({"model": model_sd, "optim": optim_sd, "spardl": sync}, checkpoint_id=path)
+
+    and each rank's state is saved under its own key (as bytes) and comes back to that rank."""
+
+    def __init__(self, grace: Any, hooks: Mapping[str, ReplicaHook], rank: int):
         self.grace = grace
         self.hooks = dict(hooks)
+        self._key = f"rank{rank}"
 
     @property
     def bytes_sent(self) -> int:
@@ -59,12 +69,23 @@ class HybridSync:
         return sum(hook.bytes_sent for hook in self.hooks.values())
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's compression state."""
-        return self.grace.state_dict()
+        """{'rank<r>': this rank's compression state, torch.save'd into a BytesIO}."""
+        buffer = io.BytesIO()
+        torch.save(self.grace.state_dict(), buffer)
+        buffer.seek(0)
+        return {self._key: buffer}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from state_dict()."""
-        self.grace.load_state_dict(state)
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from what state_dict() gave on this rank; ValueError when the checkpoint holds
+        no state for this rank (written by another number of ranks)."""
+        if self._key not in state:
+            raise ValueError(
+                f"the checkpoint holds no compression state for {self._key} (it has "
+                f"{sorted(state)}): it was written by another number of ranks"
+            )
+        buffer = state[self._key]
+        buffer.seek(0)
+        self.grace.load_state_dict(torch.load(buffer, weights_only=True))
 
 
 def _check_mesh(mesh: Any, replicate: str, shard: str) -> None:
@@ -118,4 +139,4 @@ def hybrid_shard(
         cast(FSDPModule, unit).set_all_reduce_hook(hooks[names[id(unit)]])
     hooks["<root>"] = ReplicaHook(grace, "<root>")
     cast(FSDPModule, model).set_all_reduce_hook(hooks["<root>"])  # parameters of no unit
-    return HybridSync(grace, hooks)
+    return HybridSync(grace, hooks, torch.distributed.get_rank())
