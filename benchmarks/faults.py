@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restart", action="store_true",
                    help="kill a rank and check that the job finishes from its checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=10, help="--restart's interval, steps")
+    p.add_argument("--at-step", default=None,
+                   help="--restart only: the fault comes when rank 0 has logged a step between MIN,MAX "
+                        "(instead of --delay seconds), so that it lands mid-run on any machine")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.launchers = [x for x in args.launchers.split(",") if x]
@@ -76,6 +79,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         assert len(args.delay) == 2 and 0 <= args.delay[0] <= args.delay[1]
     except (ValueError, AssertionError):
         p.error(f"--delay must be MIN,MAX seconds with 0 <= MIN <= MAX, got {args.delay!r}")
+    if args.at_step is not None:
+        total = RESTART_EPOCHS * RESTART_STEPS_PER_EPOCH
+        try:
+            args.at_step = tuple(int(x) for x in args.at_step.split(","))
+            assert len(args.at_step) == 2 and 1 <= args.at_step[0] <= args.at_step[1] < total
+        except (ValueError, AssertionError):
+            p.error(f"--at-step must be MIN,MAX steps with 1 <= MIN <= MAX < {total} "
+                    f"(the run's steps), got {args.at_step!r}")
+        if not args.restart:
+            p.error("--at-step applies to --restart trials only")
     return args
 
 
@@ -87,6 +100,7 @@ def command(launcher: str, out: Path, timeout: float) -> list[str]:
 
 
 RESTART_EPOCHS = 20  # 880 steps of 2 ranks: about 10 s of training here
+RESTART_STEPS_PER_EPOCH = 44
 
 
 def restart_command(launcher: str, out: Path, timeout: float, every: int) -> list[str]:
@@ -209,7 +223,8 @@ def logged(out: Path, kind: str) -> list[int]:
     log = out / "log.jsonl"
     if not log.exists():
         return []
-    return [r["step"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == kind]
+    whole = log.read_text().split("\n")[:-1]  # a line still being written is left out
+    return [r["step"] for r in map(json.loads, whole) if r["kind"] == kind]
 
 
 def restart_trial(launcher: str, args: argparse.Namespace, rng: random.Random, tmp: Path,
@@ -224,8 +239,14 @@ def restart_trial(launcher: str, args: argparse.Namespace, rng: random.Random, t
             try:
                 while len(ranks(proc.pid)) < 2 and proc.poll() is None:
                     time.sleep(0.1)
-                delay = rng.uniform(*args.delay)
-                time.sleep(delay)
+                started = time.monotonic()
+                if args.at_step is None:
+                    time.sleep(rng.uniform(*args.delay))
+                else:
+                    target = rng.randint(*args.at_step)
+                    while len(logged(out, "step")) < target and proc.poll() is None:
+                        time.sleep(0.02)
+                delay = time.monotonic() - started
                 victims = ranks(proc.pid)
                 if victims:
                     os.kill(rng.choice(victims), signal.SIGKILL)

@@ -63,14 +63,14 @@ with init_process_group's own keys, this failed in 2 of 3 runs here.)"""
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun"])
 def test_a_killed_rank_under_the_restart_recipe_finishes_bit_identically(tmp_path, launcher):
-    """One rank SIGKILLed at a random moment of a run with --resume auto and a checkpoint every
+    """One rank SIGKILLed at a random step of a run with --resume auto and a checkpoint every
     10 steps: torchrun restarts the workers (--max-restarts 1), mpirun and horovodrun run the
     same command again; the job finishes, loses at most 10 steps, and ends with the parameters
     of a run never interrupted, bit for bit."""
     require({"torchrun": "gloo", "mpirun": "mpi", "horovodrun": "horovod"}[launcher])
     from benchmarks import faults
     result = faults.main(["--restart", "--trials", "1", "--launchers", launcher,
-                          "--delay", "6,10", "--timeout", "20",
+                          "--at-step", "100,700", "--timeout", "20",
                           "--json", str(tmp_path / "restart.json")])
     trial, = result["trials"]
     assert trial["finished"] and trial["bit_identical"], trial
