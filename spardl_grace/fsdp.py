@@ -1,4 +1,7 @@
-"""Sharded training (FSDP2) with a sparse all-reduce across the slow link: hybrid sharding.
+"""Sharded training (FSDP2) with sparse gradient traffic: hybrid sharding, and SparDL as FSDP's
+reduce-scatter (flat sharding).
+
+Hybrid, for nodes with fast links inside and a slow link between them:
 
     mesh = init_device_mesh("cpu", (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))
     sync = spardl_grace.fsdp.hybrid_shard(model, mesh, {'compressor': 'topk',
@@ -14,6 +17,18 @@ only the sparse messages cross the slow link. FSDP's own HSDP (`fully_shard(mesh
 both dimensions) all-reduces the same shard dense across the replicas instead; to switch,
 call `fully_shard` with the 2-D mesh and no hook. With a dense communicator the two compute the
 same average.
+
+Flat, for clusters with no fast links anywhere:
+
+    sync = spardl_grace.fsdp.flat_shard(model, {'compressor': 'topk',
+        'memory': 'global_residual', 'communicator': 'spardl', 'compress_ratio': 0.01})
+
+fully_shards over every rank and replaces each unit's reduce-scatter
+(`FSDPModule.set_custom_reduce_scatter`) by SparDL's first phase, Spar-Reduce-Scatter: each
+rank sends the top entries of the other ranks' blocks and keeps the rest as its residual, and
+its own shard of the sum is its own block plus what the others sent. The parameters'
+all-gathers stay dense, so the step's bytes fall by at most the reduce-scatter's share (about
+half of FSDP's traffic in fp32).
 """
 
 from __future__ import annotations
@@ -46,9 +61,53 @@ class ReplicaHook:
         self.bytes_sent += int(self.grace.last_stats.get("bytes_sent", 0))
 
 
-class HybridSync:
-    """What hybrid_shard set up: the communicator across the replicas (`grace`) and each
-    unit's hook by name (`hooks`).
+class SparseReduceScatter:
+    """FSDP2's reduce-scatter (a torch.distributed.fsdp ReduceScatter) for one fully_shard
+    unit: SparDL's Spar-Reduce-Scatter (`grace.reduce_scatter`) under the name `name` (its
+    residual key). FSDP's SUM and AVG are honoured; its input is zero-padded to a multiple of
+    the group's size, so each rank's block is its shard."""
+
+    def __init__(self, grace: Any, name: str):
+        self.grace = grace
+        self.name = name
+        self.bytes_sent = 0  # by this rank, over every call
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        from torch.distributed import ReduceOp
+
+        if group is not None and group != self.grace.transport.group:
+            raise ValueError(
+                f"unit '{self.name}' reduce-scatters over another process group than the one "
+                "flat_shard built its communicator on: shard every unit with flat_shard"
+            )
+        if op not in (ReduceOp.SUM, ReduceOp.AVG):
+            raise ValueError(
+                f"the sparse reduce-scatter honours FSDP's SUM and AVG, got {op!r} (FSDP asks "
+                "for PREMUL_SUM after set_gradient_divide_factor: divide the loss instead, or "
+                "use set_force_sum_reduction_for_comms(True))"
+            )
+        shard = self.grace.reduce_scatter(input_tensor.reshape(-1), self.name)
+        if op == ReduceOp.AVG:
+            shard /= self.grace.transport.size
+        output_tensor.view(-1).copy_(shard)
+        self.bytes_sent += int(self.grace.last_stats.get("bytes_sent", 0))
+        return None
+
+
+class ShardSync:
+    """What hybrid_shard or flat_shard set up: the communicator (`grace`: across the replicas
+    for hybrid_shard, over every rank for flat_shard) and each unit's hook or reduce-scatter by
+    name (`hooks`).
 
     Its compression state (residuals, step counters, warm-up progress) is per rank. It is a
     Stateful for torch.distributed.checkpoint: put it in the state dict you save and load, as
@@ -58,14 +117,17 @@ class HybridSync:
 
     and each rank's state is saved under its own key (as bytes) and comes back to that rank."""
 
-    def __init__(self, grace: Any, hooks: Mapping[str, ReplicaHook], rank: int):
+    def __init__(
+        self, grace: Any, hooks: Mapping[str, ReplicaHook | SparseReduceScatter], rank: int
+    ):
         self.grace = grace
         self.hooks = dict(hooks)
         self._key = f"rank{rank}"
 
     @property
     def bytes_sent(self) -> int:
-        """Bytes this rank has sent across the replicas, every unit and step together."""
+        """Bytes this rank's communicator has sent (across the replicas for hybrid_shard),
+        every unit and step together."""
         return sum(hook.bytes_sent for hook in self.hooks.values())
 
     def state_dict(self) -> dict[str, Any]:
@@ -99,6 +161,25 @@ def _check_mesh(mesh: Any, replicate: str, shard: str) -> None:
         )
 
 
+def _units(
+    model: torch.nn.Module,
+    units: Iterable[torch.nn.Module] | None,
+    names: Mapping[int, str],
+    caller: str,
+) -> list[torch.nn.Module]:
+    """`units`, or every direct child of `model` that has parameters; ValueError for a unit
+    that is not a submodule."""
+    chosen = (
+        list(units)
+        if units is not None
+        else [child for child in model.children() if any(True for _ in child.parameters())]
+    )
+    for unit in chosen:
+        if id(unit) not in names or unit is model:
+            raise ValueError(f"{caller}'s units must be submodules of the model")
+    return chosen
+
+
 def hybrid_shard(
     model: torch.nn.Module,
     mesh: Any,
@@ -108,11 +189,11 @@ def hybrid_shard(
     replicate: str = "replicate",
     shard: str = "shard",
     **fully_shard_kwargs: Any,
-) -> HybridSync:
+) -> ShardSync:
     """fully_shard each of `units` (default: every direct child of `model` that has
     parameters) and then `model` over mesh[shard], and average each unit's gradient shard
     across mesh[replicate] with the communicator grace_from_params(params) builds on that
-    dimension's process group. Returns the HybridSync. `fully_shard_kwargs` go to every
+    dimension's process group. Returns the ShardSync. `fully_shard_kwargs` go to every
     fully_shard call (mp_policy, reshard_after_forward, ...). ValueError for a mesh that is not
     2-D with those dimension names, and for params grace_from_params refuses."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -123,15 +204,9 @@ def hybrid_shard(
     transport = TorchDistTransport(group=mesh[replicate].get_group())
     grace = grace_from_params(dict(params), transport=transport)
     names = {id(module): name for name, module in model.named_modules()}
-    chosen = (
-        list(units)
-        if units is not None
-        else [child for child in model.children() if any(True for _ in child.parameters())]
-    )
+    chosen = _units(model, units, names, "hybrid_shard")
     hooks: dict[str, ReplicaHook] = {}
     for unit in chosen:
-        if id(unit) not in names or unit is model:
-            raise ValueError("hybrid_shard's units must be submodules of the model")
         hooks[names[id(unit)]] = ReplicaHook(grace, names[id(unit)])
         fully_shard(unit, mesh=mesh[shard], **fully_shard_kwargs)
     fully_shard(model, mesh=mesh[shard], **fully_shard_kwargs)
@@ -139,4 +214,60 @@ def hybrid_shard(
         cast(FSDPModule, unit).set_all_reduce_hook(hooks[names[id(unit)]])
     hooks["<root>"] = ReplicaHook(grace, "<root>")
     cast(FSDPModule, model).set_all_reduce_hook(hooks["<root>"])  # parameters of no unit
-    return HybridSync(grace, hooks, torch.distributed.get_rank())
+    return ShardSync(grace, hooks, torch.distributed.get_rank())
+
+
+def flat_shard(
+    model: torch.nn.Module,
+    params: Mapping[str, Any],
+    units: Iterable[torch.nn.Module] | None = None,
+    *,
+    mesh: Any = None,
+    **fully_shard_kwargs: Any,
+) -> ShardSync:
+    """fully_shard each of `units` (default: every direct child of `model` that has
+    parameters) and then `model` over the 1-D `mesh` (default: every rank), and make SparDL's
+    Spar-Reduce-Scatter each unit's reduce-scatter (a SparseReduceScatter), with the
+    communicator grace_from_params(params) builds on the mesh's process group. Returns the
+    ShardSync. `params` must choose the 'spardl' communicator (one team). `fully_shard_kwargs`
+    go to every fully_shard call (mp_policy with a reduce_dtype, reshard_after_forward, ...).
+    ValueError for another communicator, teams other than 1, or a mesh that is not 1-D."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from .communicators.spardl import SparDL
+    from .registry import grace_from_params
+
+    if mesh is not None and mesh.ndim != 1:
+        raise ValueError(
+            f"flat_shard shards over a 1-D device mesh, got a {mesh.ndim}-D one; for a 2-D "
+            "mesh (nodes x ranks per node) use hybrid_shard"
+        )
+    if params.get("communicator") != "spardl" or params.get("teams", 1) != 1:
+        raise ValueError(
+            "flat_shard's reduce-scatter is SparDL's first phase, in one team: choose "
+            f"communicator 'spardl' with teams 1, got communicator "
+            f"{params.get('communicator')!r}, teams {params.get('teams', 1)!r}"
+        )
+    if mesh is None:
+        mesh = init_device_mesh(_device_type(model), (torch.distributed.get_world_size(),))
+    transport = TorchDistTransport(group=mesh.get_group())
+    grace = cast(SparDL, grace_from_params(dict(params), transport=transport))
+    names = {id(module): name for name, module in model.named_modules()}
+    chosen = _units(model, units, names, "flat_shard")
+    comms: dict[str, SparseReduceScatter] = {}
+    for unit in chosen:
+        comms[names[id(unit)]] = SparseReduceScatter(grace, names[id(unit)])
+        fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    comms["<root>"] = SparseReduceScatter(grace, "<root>")
+    for name, module in [*((names[id(u)], u) for u in chosen), ("<root>", model)]:
+        # torch exports the ReduceScatter interface only from a private module:
+        # SparseReduceScatter implements it (allocate, __call__) without subclassing it.
+        cast(FSDPModule, module).set_custom_reduce_scatter(cast(Any, comms[name]))
+    return ShardSync(grace, comms, torch.distributed.get_rank())
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    first = next(model.parameters(), None)
+    return first.device.type if first is not None else "cpu"

@@ -1,5 +1,5 @@
 """FSDP2 scenarios for tests/test_fsdp.py, run by tests/mp_worker.py on 4 gloo ranks (torchrun):
-a 2 x 2 mesh, ranks 2r + s holding shard s of replica r."""
+hybrid_shard on a 2 x 2 mesh (ranks 2r + s hold shard s of replica r); flat_shard over all 4."""
 from __future__ import annotations
 
 import torch
@@ -72,14 +72,7 @@ def conserving_steps(transport) -> dict:
             records[name].append({"given": given, "old": old, "result": shard.clone().reshape(-1),
                                   "new": residuals[name].clone()})
         _rehook(model, name, recording)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    params = []
-    for step in range(3):
-        optimizer.zero_grad()
-        model(_batch(transport.rank, step)).pow(2).sum().backward()
-        optimizer.step()
-        params.append([p.detach().to_local().clone() for p in model.parameters()])
-    return {"records": records, "params": params}
+    return {"records": records, "params": _three_steps(model, transport.rank)}
 
 
 def _rehook(model: torch.nn.Module, name: str, hook) -> None:
@@ -99,9 +92,31 @@ def _shards(model) -> list[torch.Tensor]:
     return [p.detach().to_local().clone() for p in model.parameters()]
 
 
+def _three_steps(model, rank: int) -> list[list[torch.Tensor]]:
+    """Three SGD steps; the parameter shards after each."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = []
+    for step in range(3):
+        _train(model, optimizer, rank, [step])
+        params.append(_shards(model))
+    return params
+
+
 def dcp_resume(transport) -> dict:
+    """hybrid_shard: see _dcp_resume."""
+    from spardl_grace.fsdp import hybrid_shard
+    return _dcp_resume(transport, lambda model: hybrid_shard(model, _mesh(), {**SPARDL, "compress_ratio": 0.1}))
+
+
+def flat_dcp_resume(transport) -> dict:
+    """flat_shard: see _dcp_resume."""
+    from spardl_grace.fsdp import flat_shard
+    return _dcp_resume(transport, lambda model: flat_shard(model, {**SPARDL, "compress_ratio": 0.1}))
+
+
+def _dcp_resume(transport, shard) -> dict:
     """Six steps at density 0.1 without a stop, against three steps, a checkpoint through
-    torch.distributed.checkpoint (model, optimizer, the HybridSync), everything built anew,
+    torch.distributed.checkpoint (model, optimizer, the ShardSync), everything built anew,
     loaded, and three more steps: each rank's parameter shards."""
     import tempfile
 
@@ -109,13 +124,10 @@ def dcp_resume(transport) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from spardl_grace.fsdp import hybrid_shard
-
     def build():
         model = _model()
-        sync = hybrid_shard(model, _mesh(), {**SPARDL, "compress_ratio": 0.1})
+        sync = shard(model)
         return model, sync, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
     model, _, optimizer = build()
     _train(model, optimizer, transport.rank, range(6))
     uninterrupted = _shards(model)
@@ -136,3 +148,93 @@ def dcp_resume(transport) -> dict:
     _train(model, optimizer, transport.rank, range(3, 6))
     return {"uninterrupted": uninterrupted, "resumed": _shards(model),
             "residual_names": sorted(sync.grace.memory.residuals)}
+
+
+def _flat_pair(integer: bool, **kwargs):
+    """The same model under flat_shard at density 1 and under FSDP's own 1-D fully_shard."""
+    from torch.distributed.fsdp import fully_shard
+
+    from spardl_grace.fsdp import flat_shard
+    flat = _model(integer=integer)
+    flat_shard(flat, {**SPARDL, "compress_ratio": 1.0}, **kwargs)
+    native = _model(integer=integer)
+    for layer in native:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, **kwargs)
+    fully_shard(native, **kwargs)
+    return flat, native
+
+
+def flat_density_one_equals_native_fsdp(transport) -> dict:
+    """One backward on integer data, FSDP's AVG and (forced) SUM: SparDL's reduce-scatter at
+    density 1 against FSDP's own; and with reduce_dtype bfloat16 on real-valued data."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    out = {}
+    for case in ("avg", "sum"):
+        flat, native = _flat_pair(integer=True)
+        if case == "sum":
+            for model in (flat, native):
+                for module in model.modules():
+                    if hasattr(module, "set_force_sum_reduction_for_comms"):
+                        module.set_force_sum_reduction_for_comms(True)
+        x = _batch(transport.rank, 0, integer=True)
+        for model in (flat, native):
+            model(x).pow(2).sum().backward()
+        out[case] = {"flat": _local_grads(flat), "native": _local_grads(native)}
+    flat, native = _flat_pair(integer=False, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    _, exact = _flat_pair(integer=False)
+    x = _batch(transport.rank, 0)
+    for model in (flat, native, exact):
+        model(x).pow(2).sum().backward()
+    out["bf16"] = {"flat": _local_grads(flat), "native": _local_grads(native),
+                   "fp32": _local_grads(exact)}
+    return out
+
+
+class _Recording:
+    """Wraps a unit's SparseReduceScatter: what it was given, the residual before and after,
+    and the shard it wrote."""
+
+    def __init__(self, comm, records):
+        self.comm, self.records = comm, records
+
+    def allocate(self, size, *, dtype, device):
+        return self.comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        residuals = self.comm.grace.memory.residuals
+        old = residuals.get(self.comm.name, torch.zeros(input_tensor.numel())).clone()
+        given = input_tensor.clone().reshape(-1)
+        self.comm(output_tensor, input_tensor, group, op, async_op)
+        self.records.append({"given": given, "old": old.reshape(-1),
+                             "shard": output_tensor.clone().reshape(-1),
+                             "new": residuals[self.comm.name].clone().reshape(-1)})
+
+
+def flat_conserving_steps(transport) -> dict:
+    """Three steps at density 0.1 under flat_shard: each unit's records (see _Recording), the
+    bytes this rank sent, and the parameter shards after each step."""
+    from spardl_grace.fsdp import flat_shard
+    model = _model()
+    sync = flat_shard(model, {**SPARDL, "compress_ratio": 0.1})
+    records: dict[str, list] = {name: [] for name in sync.hooks}
+    for name, comm in sync.hooks.items():
+        module = model if name == "<root>" else model.get_submodule(name)
+        module.set_custom_reduce_scatter(_Recording(comm, records[name]))
+    return {"records": records, "params": _three_steps(model, transport.rank),
+            "bytes_sent": sync.bytes_sent}
+
+
+def flat_refuses_a_divide_factor(transport) -> str:
+    """set_gradient_divide_factor makes FSDP ask for PREMUL_SUM: the error every rank raises."""
+    from spardl_grace.fsdp import flat_shard
+    model = _model()
+    flat_shard(model, {**SPARDL, "compress_ratio": 0.1})
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(3.0)
+    try:
+        model(_batch(transport.rank, 0)).pow(2).sum().backward()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

@@ -601,3 +601,20 @@ def test_packed_iproute2_emulates_a_link_and_leaves_no_library_path_to_its_child
         assert str(dest) not in env
     finally:
         subprocess.run([dest / "ip", "netns", "del", ns], capture_output=True)
+
+
+def test_fsdp_step_benchmark_counts_the_bytes_across_and_inside_the_nodes(tmp_path):
+    """Two emulated nodes, ResNet-20: hybrid SparDL sends a small fraction of HSDP's bytes
+    across the nodes' link, the same inside; a mode that does not exist is refused by name."""
+    require_netns()
+    from benchmarks import fsdp_step
+    result = fsdp_step.main(["--modes", "hsdp,hybrid-spardl", "--rates", "10gbit", "--dnn", "resnet20",
+                             "--warmup", "1", "--steps", "1", "--json", str(tmp_path / "f.json")])
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert json.loads((tmp_path / "f.json").read_text())["rows"] == result["rows"]
+    dense, sparse = rows["hsdp"], rows["hybrid-spardl"]
+    assert 0 < sparse["slow_link_bytes_per_step"] < dense["slow_link_bytes_per_step"] / 10
+    assert sparse["library_bytes_per_step"] <= sparse["slow_link_bytes_per_step"]
+    assert dense["inside_node_bytes_per_step"] > 0
+    with pytest.raises(SystemExit):
+        fsdp_step.main(["--modes", "hsdp,nope"])

@@ -1,11 +1,12 @@
-"""FSDP2 with a sparse all-reduce across the replicas (spardl_grace.fsdp.hybrid_shard), on real
-fully_shard models: 4 gloo ranks under torchrun, a 2 x 2 mesh (2 "nodes" of 2 ranks)."""
+"""FSDP2 with sparse gradient traffic, on real fully_shard models, 4 gloo ranks under torchrun:
+a sparse all-reduce across the replicas (spardl_grace.fsdp.hybrid_shard, a 2 x 2 mesh of 2
+"nodes" of 2 ranks), and SparDL's Spar-Reduce-Scatter as FSDP's reduce-scatter (flat_shard)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spardl_grace.fsdp import _check_mesh
+from spardl_grace.fsdp import _check_mesh, flat_shard
 
 
 def test_density_one_equals_fsdps_native_hsdp(launch):
@@ -49,11 +50,67 @@ def test_a_mesh_without_the_two_named_dimensions_is_refused(mesh):
         _check_mesh(mesh, "replicate", "shard")
 
 
-def test_a_dcp_checkpoint_mid_run_resumes_bit_identically(launch):
-    """torch.distributed.checkpoint saves the model, the optimizer and the HybridSync (each
+@pytest.mark.parametrize("mode", ["hybrid", "flat"])
+def test_a_dcp_checkpoint_mid_run_resumes_bit_identically(launch, mode):
+    """torch.distributed.checkpoint saves the model, the optimizer and the ShardSync (each
     rank's residuals under its own key) after 3 of 6 steps; a run built anew that loads it and
     trains the last 3 steps ends with the uninterrupted run's shards, bit for bit."""
-    for rank, got in enumerate(launch("gloo", 4, "fsdp_scenarios.dcp_resume")):
+    scenario = "dcp_resume" if mode == "hybrid" else "flat_dcp_resume"
+    for rank, got in enumerate(launch("gloo", 4, f"fsdp_scenarios.{scenario}")):
         assert got["residual_names"] == ["0", "2", "4"]
         for a, b in zip(got["uninterrupted"], got["resumed"]):
             assert torch.equal(a, b), rank
+
+
+def test_flat_density_one_equals_fsdps_own_reduce_scatter(launch):
+    """SparDL's reduce-scatter at density 1 gives FSDP's own gradient shards, bit for bit on
+    integer-valued data, under FSDP's AVG and under forced SUM. With reduce_dtype bfloat16 on
+    real data, both it and FSDP's own bfloat16 reduce-scatter are within bfloat16's rounding of
+    the float32 reduction (the inputs are rounded to bfloat16 on each rank either way)."""
+    for rank, got in enumerate(launch("gloo", 4, "fsdp_scenarios.flat_density_one_equals_native_fsdp")):
+        for case in ("avg", "sum"):
+            for flat, native in zip(got[case]["flat"], got[case]["native"]):
+                assert torch.equal(flat, native), (rank, case)
+        bf16 = got["bf16"]
+        for flat, native, exact in zip(bf16["flat"], bf16["native"], bf16["fp32"]):
+            assert flat.dtype == native.dtype == torch.float32
+            scale = 2 ** -7 * exact.abs().max().item()
+            assert torch.allclose(flat, exact, rtol=2 ** -7, atol=scale), rank
+            assert torch.allclose(native, exact, rtol=2 ** -7, atol=scale), rank
+
+
+def test_flat_sparse_steps_conserve_mass_per_unit(launch):
+    """Density 0.1, three steps, 4 ranks: for every unit, the ranks' inputs plus their old
+    residuals equal the concatenated shards (times 4: FSDP averages) plus their new residuals;
+    each rank keeps no residual in its own block, and sends about 3 x 10% of its input."""
+    per_rank = launch("gloo", 4, "fsdp_scenarios.flat_conserving_steps")
+    names = [n for n, steps in per_rank[0]["records"].items() if steps]
+    assert names == ["0", "2", "4"]
+    for name in names:
+        for step in range(3):
+            recs = [r["records"][name][step] for r in per_rank]
+            total = sum(r["given"] + r["old"] for r in recs)
+            shards = torch.cat([4 * r["shard"] for r in recs])
+            assert torch.allclose(total, shards + sum(r["new"] for r in recs), atol=1e-4), name
+            for rank, r in enumerate(recs):
+                assert not r["new"].view(4, -1)[rank].any()
+                assert (r["new"] != 0).sum() > 0
+    for r in per_rank:
+        assert r["bytes_sent"] > 0
+
+
+def test_flat_refuses_fsdps_divide_factor_on_every_rank(launch):
+    for message in launch("gloo", 4, "fsdp_scenarios.flat_refuses_a_divide_factor"):
+        assert "honours FSDP's SUM and AVG" in message
+
+
+def test_flat_shard_refuses_another_communicator_and_a_2d_mesh():
+    """Refused before any collective, so no process group is needed."""
+    with pytest.raises(ValueError, match="1-D device mesh"):
+        flat_shard(torch.nn.Linear(2, 2), {**_SPARDL, "compress_ratio": 0.1}, mesh=_Mesh(2, ("a", "b")))
+    for bad in ({"communicator": "topka"}, {"teams": 2}):
+        with pytest.raises(ValueError, match="choose communicator 'spardl' with teams 1"):
+            flat_shard(torch.nn.Linear(2, 2), {**_SPARDL, "compress_ratio": 0.1, **bad})
+
+
+_SPARDL = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl"}

@@ -138,6 +138,44 @@ class SparDL(CodedAllreduce):
         residual = self._residual(working, n, support, undo)
         return result[:n], residual
 
+    def reduce_scatter(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Spar-Reduce-Scatter alone, as a reduce-scatter (FSDP's, spardl_grace.fsdp.flat_shard):
+        compensate the flat `tensor` (its numel a multiple of the number of workers, as FSDP
+        pads it), run SRS, and return this rank's block (block `rank`, tensor.numel() / P
+        entries) of the SUM over the ranks: its own compensated entries of that block, dense,
+        plus the sparse partial sums the others sent. The residual kept for `name` is what
+        this rank did not send of the other blocks (zero in its own block), so
+            sum_w compensated_w == concat_w(block_w) + sum_w residual_w
+        up to float rounding, and at density 1 the blocks are the dense sum's. One team only
+        (`teams` 1): the cross-team stage and the all-gather have no place in a reduce-scatter."""
+        if self.teams != 1:
+            raise ValueError(
+                f"SparDL as a reduce-scatter runs in one team (teams=1), got teams={self.teams}"
+            )
+        n, m = tensor.numel(), self.team_size
+        if n == 0 or n % m:
+            raise ValueError(
+                f"a reduce-scatter over {m} workers needs a non-empty tensor whose numel is a "
+                f"multiple of {m} (FSDP pads its input so), got {n} entries for '{name}'"
+            )
+        self.agree(tensor, name)
+        buffer = self.compensation_buffer(tensor, name)
+        assert buffer is not None
+        compensated = self.memory.compensate_into(tensor, name, buffer.view(tensor.shape))
+        flat = compensated.reshape(-1)
+        step = self.next_step(name)
+        ex = Exchange(self.transport, f"{name}.{step}", self.PHASES, self.codec)
+        working = self.working_copy(flat, name)
+        blocks = working.view(m, n // m)
+        kb = self.block_layout(n, self.density_at(step))[1]
+        with ex.phase("srs"):
+            self._spar_reduce_scatter(ex, blocks, kb, list(range(m)), [])
+        own = blocks[self.q].clone()
+        blocks[self.q].zero_()
+        self.last_stats = ex.stats.as_dict()
+        self.memory.store_residual(name, working.view(tensor.shape))
+        return own
+
     @staticmethod
     def _residual(
         working: torch.Tensor, n: int, selected: torch.Tensor, undo: Undo
