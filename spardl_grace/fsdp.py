@@ -73,6 +73,8 @@ class SparseReduceScatter:
         self.bytes_sent = 0  # by this rank, over every call
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new, uninitialised buffer for FSDP's reduce-scatter input or output (FSDP fills
+        the input, zero padding included, before the call)."""
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(
