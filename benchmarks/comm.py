@@ -18,7 +18,8 @@ range of the total, selection, communication and coding seconds; bytes sent per 
 the cost formula (benchmarks.costmodel); the ratio of its time to dense's; rank 0's message
 trace and every rank's step statistics (the simulator's input); `replay_s`, the same step's
 messages sent again with no computation between them (the communication alone, which
-comm_s exceeds by the waits for peers still computing); and, before the algorithms, probes of
+comm_s exceeds by the waits for peers still computing: the fastest rank's; `replay_rank0_s`
+rank 0's; `replay_max_s` the slowest rank's, the time until every rank holds its result); and, before the algorithms, probes of
 every op kind the cost model knows at this P (`probes`, benchmarks.costmodel.probe_op).
 Passes over the gradient: `other_s` is a step's time outside selection, communication and
 coding (on its busiest rank), `copy_s` the time of one copy of the gradient that every rank
@@ -210,8 +211,13 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         if all(replays):
             times["replay_s"] = spread([min(rank[i] for rank in replays)
                                         for i in range(len(replays[0]))])
-            # Rank 0's own: the rank whose trace messages_rank0 holds and the simulator models.
+            # Rank 0's own: the rank whose trace messages_rank0 holds.
             times["replay_rank0_s"] = spread(replays[0])
+            # The slowest rank's: the step ends when every rank holds its result. A rank whose
+            # last op is a send (gTop-k's rank 0 at P not a power of two) can finish long
+            # before the rank it sends to, as the socket buffers the message.
+            times["replay_max_s"] = spread([max(rank[i] for rank in replays)
+                                            for i in range(len(replays[0]))])
         out[name] = {**times, "bytes_sent_per_rank": statistics.fmean(mean_bytes),
                      "bytes_sent_max_rank": max(mean_bytes), "formula_bytes": formula,
                      "bytes_vs_formula": measured / formula if formula else None,

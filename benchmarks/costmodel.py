@@ -43,6 +43,7 @@ from spardl_grace.communicators.schedules import bruck_rounds, srs_schedule
 from spardl_grace.selection import count_for_ratio
 from spardl_grace.compact import VALUE_BYTES, index_width
 from spardl_grace.payload import frame_overhead
+from spardl_grace.utils import bitpack
 from spardl_grace.registry import SPARSE_ALLREDUCES
 
 # Every communicator of the registry but GRACE's and Gaussian-k (TopkA's traffic with another
@@ -149,6 +150,15 @@ def entry_bytes(block: int, wire: str) -> float:
     """Bytes per entry of a message of a block of `block` entries: 8 on the exact wire, 2 and
     ceil(log2 block) bits on the compact one (a message rounds its index bits up to a byte)."""
     return ENTRY if wire == "exact" else VALUE_BYTES + index_width(block) / 8
+
+
+def message_bytes(count: int, block: int, wire: str) -> int:
+    """Bytes of a message of `count` entries of a block of `block` entries, as the
+    implementation sends it: 8 an entry on the exact wire; on the compact one 2 an entry and
+    the indices packed at index_width(block) bits, rounded up to a whole byte."""
+    if wire == "exact":
+        return ENTRY * count
+    return VALUE_BYTES * count + bitpack.packed_size(count, index_width(block))
 
 
 def formula_bytes(algorithm: str, n: int, size: int, density: float, teams: int = 1,
@@ -424,7 +434,7 @@ def synthesize(algorithm: str, n: int, size: int, density: float, teams: int = 1
         volume = FP32 * 2 * n * (size - 1) // size
         return [Op("allreduce", volume, volume, size=FP32 * n)]
     if algorithm == "topka":
-        piece = round(entry_bytes(n, wire) * k)
+        piece = message_bytes(k, n, wire)
         return [Op("allgather", piece * (size - 1), piece * (size - 1))]
     if algorithm == "topkdsa":
         x = k / n if cal.topkdsa_density is None else cal.topkdsa_density
@@ -437,7 +447,7 @@ def synthesize(algorithm: str, n: int, size: int, density: float, teams: int = 1
     if algorithm == "gtopk":
         p = 1 << (size.bit_length() - 1)
         extra = size - p
-        msg = round(entry_bytes(n, wire) * k)
+        msg = message_bytes(k, n, wire)
         final = msg + math.ceil(k / 8) + frame_overhead(2)
         if rank >= p:  # an extra rank: folds its entries into rank - p, receives the result
             return [_p2p(rank, rank - p, rank - p, msg, 0), _p2p(rank, rank - p, rank - p, 0, final)]
@@ -466,19 +476,19 @@ def _spardl_ops(n: int, size: int, density: float, teams: int, cal: Calibration,
     if size % teams:
         raise ValueError(f"teams (d={teams}) must divide the number of workers ({size})")
     m, block, kb = spardl_layout(n, size, density, teams)
-    entry = entry_bytes(block, wire)
     team, q = divmod(rank, m)
     team_ranks = [team * m + j for j in range(m)]
     ops = []
+    piece = message_bytes(kb, block, wire)
     for rnd in srs_schedule(m):
         dst, src = team_ranks[(q + rnd.distance) % m], team_ranks[(q - rnd.distance) % m]
-        ops += [_p2p(rank, dst, src, round(entry * kb), round(entry * kb))] * rnd.blocks
+        ops += [_p2p(rank, dst, src, piece, piece)] * rnd.blocks
     if teams > 1:
         h = max(math.ceil(kb / teams), round(kb * cal.spardl_h.get(teams, 1 / teams)))
         group = [t * m + q for t in range(teams)]
-        ops += _bruck(team, group, round(entry * min(h, kb)))
+        ops += _bruck(team, group, message_bytes(min(h, kb), block, wire))
     final = max(1, round(kb * cal.spardl_final))
-    ops += _bruck(q, team_ranks, round(entry * final))
+    ops += _bruck(q, team_ranks, message_bytes(final, block, wire))
     return ops
 
 

@@ -83,7 +83,13 @@ def calibration_records(results: list[dict[str, Any]]) -> dict[str, list[dict[st
 
 
 def validate(results: list[dict[str, Any]], cal_by_density: dict) -> list[dict[str, Any]]:
-    """Measured against predicted communication seconds for every input run."""
+    """Measured against predicted communication seconds for every input run. Besides rank 0's
+    trace and schedule against comm_s and rank 0's replay (as before), the step's time: the
+    slowest rank's replay (`replay_max_s`, in runs that record it) against the slowest rank's
+    predicted time (every rank's synthesized ops), under the run's own network and under the
+    network of the run at P = 2 with the same rate (as projections to large P use it)."""
+    p2_nets = {r["config"]["bandwidth"]: measured_network(r) for r in results
+               if r["config"]["workers"] == 2}
     rows = []
     for res in results:
         cfg = res["config"]
@@ -91,29 +97,56 @@ def validate(results: list[dict[str, Any]], cal_by_density: dict) -> list[dict[s
         net = measured_network(res)
         single = Network(alpha=res["link"]["alpha"], beta=res["link"]["beta"])
         cal = cal_by_density[(numel, cfg["density"])]
+        p2_net = p2_nets.get(cfg["bandwidth"])
         for name, alg in res["algorithms"].items():
             if name not in costmodel.ALGORITHMS:
                 continue
             trace = costmodel.ops_from_messages([Message(*m) for m in alg["messages_rank0"]], size)
             from_trace = costmodel.predict_seconds(trace, 0, size, net)
             single_pair = costmodel.predict_seconds(trace, 0, size, single)
-            schedule = costmodel.synthesize(name, numel, size, cfg["density"], cfg["teams"], cal)
-            from_schedule = costmodel.predict_seconds(schedule, 0, size, net)
+            per_rank = [costmodel.synthesize(name, numel, size, cfg["density"], cfg["teams"], cal,
+                                             rank=r) for r in range(size)]
+            from_schedule = costmodel.predict_seconds(per_rank[0], 0, size, net)
+            slowest = max(costmodel.predict_seconds(ops, r, size, net) for r, ops in enumerate(per_rank))
+            slowest_p2 = max(costmodel.predict_seconds(ops, r, size, p2_net)
+                             for r, ops in enumerate(per_rank)) if p2_net else None
             measured = alg["comm_s"]["median"]
             # Rank 0's own replay where recorded (its trace is the one modelled); older runs
             # kept only the fastest rank's, which for gTop-k at P not a power of two and
             # TopkDSA is a rank that does less than rank 0.
             replayed = alg.get("replay_rank0_s", alg.get("replay_s", {})).get("median")
+            step = alg.get("replay_max_s", {}).get("median")
             rows.append({"file": Path(res["path"]).name, "workers": size, "numel": numel,
-                         "bandwidth": cfg["bandwidth"], "algorithm": name,
+                         "density": cfg["density"], "bandwidth": cfg["bandwidth"], "algorithm": name,
                          "measured_comm_s": measured, "measured_total_s": alg["total_s"]["median"],
                          "trace_predicted_s": from_trace, "schedule_predicted_s": from_schedule,
                          "trace_error": from_trace / measured - 1 if measured else None,
                          "schedule_error": from_schedule / measured - 1 if measured else None,
                          "single_pair_error": single_pair / measured - 1 if measured else None,
                          "measured_replay_s": replayed,
-                         "replay_error": from_trace / replayed - 1 if replayed else None})
+                         "replay_error": from_trace / replayed - 1 if replayed else None,
+                         "measured_step_s": step, "step_predicted_s": slowest,
+                         "step_error": slowest / step - 1 if step else None,
+                         "step_predicted_from_p2_s": slowest_p2,
+                         "step_error_from_p2": slowest_p2 / step - 1 if step and slowest_p2 else None})
     return rows
+
+
+def errors_by_algorithm(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per rate and algorithm, the errors `key` of the rows that have one: how many, the
+    median of their magnitudes and their signed mean (a bias shows in the second); an
+    unshaped network's rows under 'unshaped'."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for rate in dict.fromkeys(r["bandwidth"] for r in rows):
+        label = rate or "unshaped"
+        for name in dict.fromkeys(r["algorithm"] for r in rows):
+            errs = [r[key] for r in rows
+                    if r["bandwidth"] == rate and r["algorithm"] == name and r.get(key) is not None]
+            if errs:
+                out.setdefault(label, {})[name] = {"n": len(errs),
+                                                  "median_abs": statistics.median(map(abs, errs)),
+                                                  "signed_mean": statistics.fmean(errs)}
+    return out
 
 
 def _median_abs(errors) -> float | None:
@@ -148,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--numel", type=int, default=14_700_000, help="gradient size to predict for")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--max-workers", type=int, default=1024)
+    p.add_argument("--validate-only", action="store_true",
+                   help="the validation alone (runs of several sizes and densities; no projections)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -179,9 +214,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "replay_median_abs": _median_abs(r["replay_error"] for r in rows),
                "replay_median_abs_by_bandwidth": {
                    rate: _median_abs(r["replay_error"] for r in rows if r["bandwidth"] == rate)
-                   for rate in dict.fromkeys(r["bandwidth"] for r in rows)}},
-           "sizes": sizes, "scaling": scaling(args.numel, args.density, cal, nets, sizes),
-           "teams": teams_sweep(args.numel, args.density, cal, nets)}
+                   for rate in dict.fromkeys(r["bandwidth"] for r in rows)},
+               "step_by_algorithm": errors_by_algorithm(rows, "step_error"),
+               "step_from_p2_by_algorithm": errors_by_algorithm(rows, "step_error_from_p2"),
+               "replay_by_algorithm": errors_by_algorithm(rows, "replay_error")},
+           "sizes": sizes}
+    if not args.validate_only:
+        out["scaling"] = scaling(args.numel, args.density, cal, nets, sizes)
+        out["teams"] = teams_sweep(args.numel, args.density, cal, nets)
     print(f"{'file':28s} {'P':>3s} {'algorithm':9s} {'measured':>9s} {'replayed':>9s} "
           f"{'trace':>9s} {'schedule':>9s}")
     for r in rows:
@@ -196,7 +236,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"median |error| of the trace against its replay: {err['replay_median_abs']:.1%}"
               + "".join(f"; {rate} {e:.1%}" for rate, e in
                         err["replay_median_abs_by_bandwidth"].items() if e is not None))
-    for net_name, algs in out["scaling"].items():
+    for key, label in (("step_by_algorithm", "the step (slowest rank) against its replay"),
+                       ("step_from_p2_by_algorithm", "the step, with the network of the P = 2 run")):
+        if err[key]:
+            print(f"\n{label}: median |error| / signed mean per algorithm")
+            for rate, algs in err[key].items():
+                print(f"  {rate}: " + "; ".join(f"{a} {e['median_abs']:.1%} / {e['signed_mean']:+.1%}"
+                                               for a, e in algs.items()))
+    for net_name, algs in out.get("scaling", {}).items():
         print(f"\n{net_name}: predicted seconds at P = 256 / 1024")
         for name, secs in algs.items():
             print(f"  {name:9s} {secs[sizes.index(256)]:9.4f} {secs[sizes.index(1024)]:9.4f}")
