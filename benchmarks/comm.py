@@ -239,7 +239,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "gradient": args.gradient, "batch_size": args.batch_size, "density": args.density,
             "teams": args.teams, "repeat": args.repeat, "warmup": args.warmup,
             "replays": args.replays, "probe_repeat": args.probe_repeat, "codec": args.codec,
-            "device": args.device, "timeout": args.timeout, "out": tmp}))
+            "device": args.device, "timeout": args.timeout, "bandwidth": args.bandwidth,
+            "out": tmp}))
         if args.bandwidth:
             # horovodrun selects the nodes' interface by one name, as on a cluster
             interface = twonode.INTERFACE if args.backend == "horovod" else None

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from benchmarks.costmodel import KINDS, probe_chain, probe_op
+from benchmarks.netem import burst_bytes, rate_bits_per_s
 from deepreduce_compat import deepreduce_from_params
 from spardl_grace import CountingTransport
 from spardl_grace.launch import join
@@ -141,17 +142,19 @@ def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> int:
 
 
 def probe_ops(transport: Transport, sizes: tuple[int, ...] = PROBE_BYTES,
-              repeat: int = 3) -> dict[str, list[list[float]]]:
+              repeat: int = 3, idle_s: float = 0.0) -> dict[str, list[list[float]]]:
     """Seconds of one op of every kind (costmodel.KINDS) at this P for each size in `sizes` (in
     the cost model's measure of that kind; see run_probe): per kind [nbytes, seconds] pairs,
-    the median over `repeat` runs of the fastest rank's time (the same convention as comm_s).
-    Every rank returns the same figures."""
+    the median over `repeat` runs of the fastest rank's time (the same convention as comm_s),
+    each run after a barrier and `idle_s` seconds of idling (replay_idle_s: the fit assumes a
+    full bucket at a probe's start). Every rank returns the same figures."""
     samples = []
     for kind in KINDS:
         for nbytes in sizes:
             for i in range(repeat):
                 name = f"probe.{kind}.{nbytes}.{i}"
                 transport.barrier(name)
+                time.sleep(idle_s)
                 start = time.perf_counter()
                 ops = run_probe(transport, kind, nbytes, name)
                 samples.append((time.perf_counter() - start) / ops)
@@ -196,11 +199,26 @@ def replay(transport: Transport, messages: list[Message]) -> None:
         i += 1
 
 
-def time_replay(transport: Transport, messages: list[Message], repeat: int) -> list[float]:
-    """This rank's seconds for each of `repeat` replays of a step's trace, each after a barrier."""
+def replay_idle_s(bandwidth: str | None) -> float:
+    """Idle seconds before each replay and probe on an emulated link: twice the time its rate
+    takes to refill its shaper's bucket (benchmarks.netem.burst_bytes), so that each starts as
+    a training step does after its computation, and as the cost model assumes, with a full
+    bucket; back to back, each would find the bucket its predecessor drained. 0 on an unshaped
+    network."""
+    if not bandwidth:
+        return 0.0
+    bits = rate_bits_per_s(bandwidth)
+    return 2 * burst_bytes(bits) * 8 / bits
+
+
+def time_replay(transport: Transport, messages: list[Message], repeat: int,
+                idle_s: float = 0.0) -> list[float]:
+    """This rank's seconds for each of `repeat` replays of a step's trace, each after a barrier
+    and `idle_s` seconds of idling (replay_idle_s)."""
     times = []
     for i in range(repeat):
         transport.barrier(f"replay.{i}")
+        time.sleep(idle_s)
         start = time.perf_counter()
         replay(transport, messages)
         times.append(time.perf_counter() - start)
@@ -246,7 +264,8 @@ def time_algorithm(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
     trace = list(counting.messages)
     messages = [[m.op, m.name, m.peer, m.bytes_sent, m.bytes_received] for m in trace]
     return {"steps": steps, "messages": messages,
-            "replay_s": time_replay(transport, trace, cfg["replays"])}
+            "replay_s": time_replay(transport, trace, cfg["replays"],
+                                    replay_idle_s(cfg["bandwidth"]))}
 
 
 class _Shapes(torch.nn.Module):
@@ -333,7 +352,7 @@ def main(config_path: str) -> None:
     if transport.size != cfg["workers"]:
         raise SystemExit(f"launched {transport.size} ranks, the config says {cfg['workers']}")
     link = measure_link(transport)
-    probes = probe_ops(transport, repeat=cfg["probe_repeat"])
+    probes = probe_ops(transport, repeat=cfg["probe_repeat"], idle_s=replay_idle_s(cfg["bandwidth"]))
     grads = gradients(cfg, rank, cfg["warmup"] + cfg["repeat"])
     out = {"rank": rank, "numel": grads[0].numel(), "link": link, "probes": probes,
            "algorithms": {}}

@@ -655,3 +655,14 @@ def test_fsdp_step_benchmark_counts_the_bytes_across_and_inside_the_nodes(tmp_pa
     assert dense["inside_node_bytes_per_step"] > 0
     with pytest.raises(SystemExit):
         fsdp_step.main(["--modes", "hsdp,nope"])
+
+
+def test_replays_and_probes_on_an_emulated_link_start_with_a_full_bucket():
+    """Twice the refill time of the link's tbf bucket (10 ms of traffic, at least 64 KiB):
+    back to back, an 80 KB exchange at 100 Mbit took 4 ms (the bucket its predecessor drained)
+    where 30 ms of idling before it gave 0.9 ms, as after a training step's computation."""
+    from benchmarks.comm_worker import replay_idle_s
+    assert replay_idle_s(None) == 0.0
+    assert replay_idle_s("100mbit") == pytest.approx(0.02)
+    assert replay_idle_s("1gbit") == pytest.approx(0.02)
+    assert replay_idle_s("10mbit") == pytest.approx(2 * 64 * 1024 * 8 / 1e7)
