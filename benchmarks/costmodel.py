@@ -27,10 +27,12 @@ A measured network can carry its own alpha and beta per op kind (`Network.per_ki
 P): one pair for every kind cannot describe a tbf-shaped link, on which a ring all-reduce
 streams at about twice the rate of a pairwise exchange. A token-bucket shaped link (tc tbf, as
 benchmarks.netem emulates, and the egress shaping of many cloud VMs) also has a `burst`, its
-bucket: bytes in the bucket cross at line rate and cost nothing beyond alpha, the others pay
-beta. The bucket is full before a rank's first op; each op empties it by the bytes it moves,
-and it refills at the link's rate (1/beta) only while an op waits out its latency, so a
-chain of small messages, each within the bucket alone, pays beta for most of its bytes.
+bucket, one for each direction (the emulated links shape both): bytes in a bucket cross at line
+rate and cost nothing beyond alpha, the others pay beta. The buckets are full before a rank's
+first op; each op empties the sending one by the bytes it sends and the receiving one by those
+it receives, and they refill at the link's rate (1/beta) only while an op waits out its
+latency, so a chain of small messages, each within the bucket alone, pays beta for most of
+its bytes, and a rank that only receives (gTop-k's fold) leaves its sending bucket full.
 """
 from __future__ import annotations
 
@@ -248,14 +250,21 @@ def _allreduce_tensor_bytes(volume: int, size: int) -> int:
 # --------------------------------------------------------------------------- prediction
 def op_seconds(op: Op, rank: int, size: int, net: Network, tokens: float | None = None) -> float:
     """The time of one op of `rank` under `net` (see the module docstring), with `tokens` bytes
-    in the shaper's bucket as it starts (a full one, net.burst, when not given)."""
-    return _op_cost(op, rank, size, net, net.burst if tokens is None else tokens)[0]
+    in each of the shaper's buckets, sending and receiving, as it starts (full ones, net.burst,
+    when not given)."""
+    full = net.burst if tokens is None else tokens
+    return _op_cost(op, rank, size, net, (full, full))[0]
 
 
-def _op_cost(op: Op, rank: int, size: int, net: Network, tokens: float) -> tuple[float, float]:
-    """(seconds, bytes left in the bucket after it) of one op that starts with `tokens` bytes
-    in the shaper's bucket. The bucket refills while the op waits out its latency; then the
-    bytes in it cross at line rate and the rest pay beta."""
+Buckets = tuple[float, float]  # bytes in the shaper's sending and receiving buckets
+
+
+def _op_cost(op: Op, rank: int, size: int, net: Network, tokens: Buckets) -> tuple[float, Buckets]:
+    """(seconds, the buckets after it) of one op that starts with `tokens` in the shaper's
+    sending and receiving buckets. A rank's link is shaped both ways (benchmarks.netem), each
+    way with its own bucket: the bytes it sends draw on one, those it receives on the other.
+    The buckets refill while the op waits out its latency; then the bytes in them cross at line
+    rate and the rest pay beta, the slower direction setting the time."""
     if op.kind in ("p2p", "alltoall"):
         classes: dict[tuple[float, float, float], list] = {}
         for peer, sent, received in op.parts:
@@ -265,11 +274,14 @@ def _op_cost(op: Op, rank: int, size: int, net: Network, tokens: float) -> tuple
             entry[0] += sent
             entry[1] += received
             entry[2].add(peer)
-        costs = [_shaped(a * (1 if op.kind == "p2p" else len(peers)), b, max(s, r), burst, tokens,
+        costs = [_shaped(a * (1 if op.kind == "p2p" else len(peers)), b, (s, r), burst, tokens,
                          net.beta)
                  for (a, b, burst), (s, r, peers) in classes.items()]
-        # The slowest class of links sets the time; the one between nodes drains the bucket.
-        return (max(c[0] for c in costs), min(c[1] for c in costs)) if costs else (0.0, tokens)
+        if not costs:
+            return 0.0, tokens
+        # The slowest class of links sets the time; the one between nodes drains the buckets.
+        return (max(c[0] for c in costs),
+                (min(c[1][0] for c in costs), min(c[1][1] for c in costs)))
     spans_nodes = size > net.ranks_per_node
     alpha, beta = net.params(op.kind) if spans_nodes else (net.alpha_intra, net.beta_intra)
     burst = net.burst if spans_nodes else 0.0
@@ -284,30 +296,36 @@ def _op_cost(op: Op, rank: int, size: int, net: Network, tokens: float) -> tuple
         shapes = [(rounds * alpha, op.size)]
     else:
         raise ValueError(f"unknown op kind {op.kind!r}")
-    return min(_shaped(latency, beta, volume, burst, tokens, net.beta) for latency, volume in shapes)
+    # A collective's volume crosses the link both ways.
+    return min((_shaped(latency, beta, (volume, volume), burst, tokens, net.beta)
+                for latency, volume in shapes), key=lambda c: c[0])
 
 
-def _shaped(latency: float, beta: float, volume: float, burst: float, tokens: float,
-            line_beta: float) -> tuple[float, float]:
-    """(seconds, bytes left in the bucket) of `volume` bytes after `latency` on a link whose
-    bucket of `burst` bytes holds `tokens` and refills at 1/line_beta bytes a second (at once
-    when line_beta is 0). A link without a bucket (burst 0) leaves `tokens` as they were."""
+def _shaped(latency: float, beta: float, volume: tuple[float, float], burst: float,
+            tokens: Buckets, line_beta: float) -> tuple[float, Buckets]:
+    """(seconds, the buckets after) of volume = (bytes sent, bytes received) after `latency` on
+    a link whose two buckets of `burst` bytes hold `tokens` and refill at 1/line_beta bytes a
+    second (at once when line_beta is 0). A link without a bucket (burst 0) leaves `tokens` as
+    they were."""
     if not burst:
-        return latency + beta * volume, tokens
-    free = min(burst, tokens + latency / line_beta) if line_beta > 0 else burst
-    return latency + beta * max(0.0, volume - free), max(0.0, free - volume)
+        return latency + beta * max(volume), tokens
+    free = [min(burst, t + latency / line_beta) if line_beta > 0 else burst for t in tokens]
+    beyond = max(max(0.0, v - f) for v, f in zip(volume, free))
+    return latency + beta * beyond, (max(0.0, free[0] - volume[0]), max(0.0, free[1] - volume[1]))
 
 
 def predict_seconds(ops: Sequence[Op], rank: int, size: int, net: Network) -> float:
-    """Communication seconds of one rank's ops, one after the other. The shaper's bucket
-    (net.burst) is full before the first op; each op draws the bytes it moves from it, and it
-    refills only while an op waits out its latency, as in a step's communication replayed
-    with nothing between the ops."""
-    seconds, tokens = 0.0, net.burst
+    """Communication seconds of one rank's ops, one after the other. The shaper's buckets
+    (net.burst, one each way) are full before the first op; each op draws the bytes it sends
+    and receives from them, and they refill only while an op waits out its latency, as in a
+    step's communication replayed with nothing between the ops."""
+    seconds, tokens = 0.0, (float(net.burst), float(net.burst))
     for op in ops:
         took, left = _op_cost(op, rank, size, net, tokens)
         seconds += op.weight * took
-        tokens += op.weight * (left - tokens)  # an op run every 1/weight steps, on average
+        # an op run every 1/weight steps, on average
+        tokens = (tokens[0] + op.weight * (left[0] - tokens[0]),
+                  tokens[1] + op.weight * (left[1] - tokens[1]))
     return seconds
 
 

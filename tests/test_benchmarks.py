@@ -167,6 +167,12 @@ def test_a_shaped_links_bucket_drains_over_a_chain_and_refills_during_latency():
     assert costmodel.predict_seconds([op] * 3, 0, 2, net) == pytest.approx(1e-3 + 2e-3 + 6e-3)
     plain = Network(alpha=1e-3, beta=1e-6)
     assert costmodel.predict_seconds([op] * 3, 0, 2, plain) == pytest.approx(3 * 7e-3)
+    # Each direction has its own bucket: a rank that received 10 KB (gTop-k's fold) still
+    # sends 10 KB within its sending bucket, and pays for all it receives after.
+    fold = Op("p2p", 0, 10_000, ((1, 0, 10_000),))
+    final = Op("p2p", 10_000, 0, ((1, 10_000, 0),))
+    assert costmodel.predict_seconds([fold, final], 0, 2, net) == pytest.approx(2e-3)
+    assert costmodel.predict_seconds([fold, op], 0, 2, net) == pytest.approx(2e-3 + 5e-3)
     # Ops inside a node leave the bucket of the link between nodes as it was.
     nodes = Network(alpha=1e-3, beta=1e-6, burst=10_000, ranks_per_node=2, alpha_intra=1e-4,
                     beta_intra=1e-9)
