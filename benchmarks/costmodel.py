@@ -546,7 +546,7 @@ def calibrate(records: dict[str, list[dict]], n: int, density: float) -> Calibra
             by_teams.setdefault(d, []).append(r["stats"]["cross_entries"] / kb)
         if m > 1:
             finals.append(r["stats"]["sag_payload_bytes"]
-                          / (entry_bytes(block, wire) * kb * (m - 1)))
+                          / (message_bytes(kb, block, wire) * (m - 1)))
     cal.spardl_h = {d: sum(v) / len(v) for d, v in by_teams.items()}
     if finals:
         cal.spardl_final = sum(finals) / len(finals)

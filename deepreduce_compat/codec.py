@@ -148,11 +148,12 @@ class DeepReduceCodec(PayloadCodec):
         start = time.perf_counter()
         if self.in_value_order:
             assert isinstance(self.value, CurveFitValues)
-            order = self.value.sort_order(block[indices])
+            selected = block[indices]
+            order = self.value.sort_order(selected)
             index_section = as_bytes(indices[order].to(torch.int32))
             positions = indices
             coded = time.perf_counter()
-            value_section = self.value.encode_ordered(block[indices][order])
+            value_section = self.value.encode_ordered(selected[order])
         else:
             index_section, positions = self.index.encode(indices, block.numel(), key)
             coded = time.perf_counter()

@@ -564,16 +564,20 @@ class SparseAllreduce(Synchronizer):
         """Check that the ranks agree on `name`, compensate (into the algorithm's own buffer
         where it offers one), run the sparse all-reduce, and hand the memory the residual the
         all-reduce left. Returns the result, shaped like `tensor`."""
-        self.agree(tensor, name)
-        buffer = self.compensation_buffer(tensor, name)
-        if buffer is None:
-            compensated = self.memory.compensate(tensor, name)
-        else:
-            compensated = self.memory.compensate_into(tensor, name, buffer.view(tensor.shape))
+        compensated = self.agreed_compensation(tensor, name)
         result, residual = self.reduce(compensated.reshape(-1), name)
         result = result.view(tensor.shape)
         self.memory.store_residual(name, residual.view(tensor.shape), result)
         return result
+
+    def agreed_compensation(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Check that the ranks agree on `name`, then `tensor` compensated by the memory, written
+        into the algorithm's own buffer where it offers one (compensation_buffer)."""
+        self.agree(tensor, name)
+        buffer = self.compensation_buffer(tensor, name)
+        if buffer is None:
+            return self.memory.compensate(tensor, name)
+        return self.memory.compensate_into(tensor, name, buffer.view(tensor.shape))
 
     def compensation_buffer(self, tensor: torch.Tensor, name: str) -> torch.Tensor | None:
         """A flat buffer of tensor.numel() entries for the memory to write this step's

@@ -42,8 +42,6 @@ import torch.distributed
 
 from .transport.torch_dist import TorchDistTransport
 
-MESH_DIMS = ("replicate", "shard")
-
 
 class ReplicaHook:
     """The all-reduce hook of one fully_shard unit: replaces the unit's reduced gradient shard
@@ -163,14 +161,20 @@ def _check_mesh(mesh: Any, replicate: str, shard: str) -> None:
         )
 
 
-def _units(
+def _fully_shard_units(
     model: torch.nn.Module,
     units: Iterable[torch.nn.Module] | None,
-    names: Mapping[int, str],
+    mesh: Any,
+    fully_shard_kwargs: Mapping[str, Any],
     caller: str,
-) -> list[torch.nn.Module]:
-    """`units`, or every direct child of `model` that has parameters; ValueError for a unit
+) -> dict[str, Any]:
+    """fully_shard each of `units` (default: every direct child of `model` that has
+    parameters) and then `model` over `mesh`; the FSDP modules by residual key: each unit's
+    module path, and '<root>' for the model (its parameters of no unit). ValueError for a unit
     that is not a submodule."""
+    from torch.distributed.fsdp import fully_shard
+
+    names = {id(module): name for name, module in model.named_modules()}
     chosen = (
         list(units)
         if units is not None
@@ -179,7 +183,10 @@ def _units(
     for unit in chosen:
         if id(unit) not in names or unit is model:
             raise ValueError(f"{caller}'s units must be submodules of the model")
-    return chosen
+    for unit in chosen:
+        fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    return {**{names[id(unit)]: unit for unit in chosen}, "<root>": model}
 
 
 def hybrid_shard(
@@ -198,24 +205,15 @@ def hybrid_shard(
     dimension's process group. Returns the ShardSync. `fully_shard_kwargs` go to every
     fully_shard call (mp_policy, reshard_after_forward, ...). ValueError for a mesh that is not
     2-D with those dimension names, and for params grace_from_params refuses."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     from .registry import grace_from_params
 
     _check_mesh(mesh, replicate, shard)
     transport = TorchDistTransport(group=mesh[replicate].get_group())
     grace = grace_from_params(dict(params), transport=transport)
-    names = {id(module): name for name, module in model.named_modules()}
-    chosen = _units(model, units, names, "hybrid_shard")
-    hooks: dict[str, ReplicaHook] = {}
-    for unit in chosen:
-        hooks[names[id(unit)]] = ReplicaHook(grace, names[id(unit)])
-        fully_shard(unit, mesh=mesh[shard], **fully_shard_kwargs)
-    fully_shard(model, mesh=mesh[shard], **fully_shard_kwargs)
-    for unit in chosen:
-        cast(FSDPModule, unit).set_all_reduce_hook(hooks[names[id(unit)]])
-    hooks["<root>"] = ReplicaHook(grace, "<root>")
-    cast(FSDPModule, model).set_all_reduce_hook(hooks["<root>"])  # parameters of no unit
+    modules = _fully_shard_units(model, units, mesh[shard], fully_shard_kwargs, "hybrid_shard")
+    hooks = {name: ReplicaHook(grace, name) for name in modules}
+    for name, module in modules.items():
+        module.set_all_reduce_hook(hooks[name])
     return ShardSync(grace, hooks, torch.distributed.get_rank())
 
 
@@ -235,7 +233,6 @@ def flat_shard(
     go to every fully_shard call (mp_policy with a reduce_dtype, reshard_after_forward, ...).
     ValueError for another communicator, teams other than 1, or a mesh that is not 1-D."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from .communicators.spardl import SparDL
     from .registry import grace_from_params
@@ -255,18 +252,12 @@ def flat_shard(
         mesh = init_device_mesh(_device_type(model), (torch.distributed.get_world_size(),))
     transport = TorchDistTransport(group=mesh.get_group())
     grace = cast(SparDL, grace_from_params(dict(params), transport=transport))
-    names = {id(module): name for name, module in model.named_modules()}
-    chosen = _units(model, units, names, "flat_shard")
-    comms: dict[str, SparseReduceScatter] = {}
-    for unit in chosen:
-        comms[names[id(unit)]] = SparseReduceScatter(grace, names[id(unit)])
-        fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
-    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
-    comms["<root>"] = SparseReduceScatter(grace, "<root>")
-    for name, module in [*((names[id(u)], u) for u in chosen), ("<root>", model)]:
+    modules = _fully_shard_units(model, units, mesh, fully_shard_kwargs, "flat_shard")
+    comms = {name: SparseReduceScatter(grace, name) for name in modules}
+    for name, module in modules.items():
         # torch exports the ReduceScatter interface only from a private module:
         # SparseReduceScatter implements it (allocate, __call__) without subclassing it.
-        cast(FSDPModule, module).set_custom_reduce_scatter(cast(Any, comms[name]))
+        module.set_custom_reduce_scatter(comms[name])
     return ShardSync(grace, comms, torch.distributed.get_rank())
 
 

@@ -61,14 +61,19 @@ class CodedAllreduce(SparseAllreduce):
         }
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        step = self.next_step(name)
-        ex = Exchange(self.transport, f"{name}.{step}", self.PHASES, self.codec)
+        step, ex = self.new_exchange(name)
         if tensor.numel() == 0:
             result, residual = tensor.clone(), tensor.clone()
         else:
             result, residual = self.sparse_allreduce(tensor, name, step, ex)
         self.last_stats = ex.stats.as_dict()
         return result, residual
+
+    def new_exchange(self, name: str) -> tuple[int, Exchange]:
+        """This call's step number for `name` (advancing the counter) and the step's Exchange,
+        whose messages that step names."""
+        step = self.next_step(name)
+        return step, Exchange(self.transport, f"{name}.{step}", self.PHASES, self.codec)
 
     @abstractmethod
     def sparse_allreduce(

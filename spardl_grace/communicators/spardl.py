@@ -158,14 +158,9 @@ class SparDL(CodedAllreduce):
                 f"a reduce-scatter over {m} workers needs a non-empty tensor whose numel is a "
                 f"multiple of {m} (FSDP pads its input so), got {n} entries for '{name}'"
             )
-        self.agree(tensor, name)
-        buffer = self.compensation_buffer(tensor, name)
-        assert buffer is not None
-        compensated = self.memory.compensate_into(tensor, name, buffer.view(tensor.shape))
-        flat = compensated.reshape(-1)
-        step = self.next_step(name)
-        ex = Exchange(self.transport, f"{name}.{step}", self.PHASES, self.codec)
-        working = self.working_copy(flat, name)
+        compensated = self.agreed_compensation(tensor, name)
+        step, ex = self.new_exchange(name)
+        working = self.working_copy(compensated.reshape(-1), name)
         blocks = working.view(m, n // m)
         kb = self.block_layout(n, self.density_at(step))[1]
         with ex.phase("srs"):
