@@ -11,7 +11,8 @@ with hvd.DistributedOptimizer (Horovod's averaging all-reduce), then with
         {'compressor': 'topk', 'memory': 'global_residual', 'communicator': 'spardl',
          'compress_ratio': DENSITY, **PARAMS}), named_parameters=model.named_parameters())
 
-where PARAMS is empty unless --params gives more keys (to try other settings): the library's
+where PARAMS is empty unless --params gives more keys (to try other settings; likewise
+--optimizer-args for DistributedOptimizer's keywords): the library's
 defaults, density warm-up included. SGD with momentum 0.9 and weight decay 1e-4, batch
 --batch-size per rank, each rank its own shard of Fashion-MNIST's training images, reshuffled
 each epoch. Rank 0 tests both models on --test-samples test images and prints (and writes with
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--params", default="{}", help="more grace_from_params keys, as JSON")
+    p.add_argument("--optimizer-args", default="{}",
+                   help="more spardl_grace.DistributedOptimizer keywords, as JSON")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--train-samples", type=int, default=None, help="default: all 60,000")
@@ -48,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.params = json.loads(args.params)
+    args.optimizer_args = json.loads(args.optimizer_args)
     return args
 
 
@@ -66,7 +70,8 @@ def train(args: argparse.Namespace, kind: str, hvd: Any) -> dict[str, Any]:
         grc = spardl_grace.grace_from_params({
             "compressor": "topk", "memory": "global_residual", "communicator": "spardl",
             "compress_ratio": args.density, **args.params})
-        optimizer = spardl_grace.DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters())
+        optimizer = spardl_grace.DistributedOptimizer(
+            sgd, grc, named_parameters=model.named_parameters(), **args.optimizer_args)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     images, labels = load_fashion_mnist("train")
     if args.train_samples is not None:

@@ -28,28 +28,40 @@ thread's on the same process group; by then backward has nothing left to overlap
 # No `from __future__ import annotations`: DDP compares comm_hook's annotations with the real
 # types (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .api import Synchronizer
+from .registry import grace_from_params, resolve_params
 from .sync import FIRST_STEP_TIMEOUT_S, Bucket, GradientSync, settle
 
 
 class CommHookState:
     """The hook's state: the grace communicator, parameter names, and the step count.
 
-    model: the DistributedDataParallel module (or the module it wraps); its parameter names
-    key the residuals. dense_warmup_steps: the first iterations are synchronised dense.
-    min_numel: buckets with fewer entries are always synchronised dense. overlap: synchronise
-    on a communication thread while backward goes on (off, or with an MPI library without
-    MPI_THREAD_MULTIPLE, the hook synchronises before it returns). first_step_timeout: the
-    first iteration waits at most this many seconds (60) for the other ranks."""
+    grace: a communicator from grace_from_params(...), or GRACE's parameters themselves (a
+    dict), checked now and built at the first synchronisation, when the process group exists:
+    trainers that create it themselves (Lightning's DDPStrategy, Accelerate) take the state
+    before they start the processes. model: the DistributedDataParallel module (or the module
+    it wraps, a LightningModule); its parameter names key the residuals. dense_warmup_steps:
+    the first iterations are synchronised dense. min_numel: buckets with fewer entries are
+    always synchronised dense. overlap: synchronise on a communication thread while backward
+    goes on (off, or with an MPI library without MPI_THREAD_MULTIPLE, the hook synchronises
+    before it returns). first_step_timeout: the first iteration waits at most this many
+    seconds (60) for the other ranks.
+
+    Two synchronisations with no optimizer step between them (gradient accumulation without
+    DDP's no_sync) raise ValueError on every rank: DDP would hand the hook the accumulated
+    gradient, already averaged once, and a sparse all-reduce would send part of it again
+    from the residuals. A step whose result was not finite (a GradScaler skips its optimizer
+    step) is exempt."""
 
     def __init__(
         self,
-        grace: Synchronizer,
+        grace: Synchronizer | Mapping[str, Any],
         model: torch.nn.Module,
         dense_warmup_steps: int = 0,
         min_numel: int = 0,
@@ -60,15 +72,38 @@ class CommHookState:
             raise TypeError(
                 f"model must be the DDP module (or the module it wraps), got {type(model).__name__}"
             )
+        if isinstance(grace, Mapping):
+            resolve_params(dict(grace))  # bad keys raise now, not at the first step
+        elif not isinstance(grace, Synchronizer):
+            raise TypeError(
+                "grace must be a communicator from grace_from_params(...) or a dict of its "
+                f"parameters, got {type(grace).__name__}"
+            )
         inner = (
             model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         )
         named = list(inner.named_parameters())
         self.names = {p: n for n, p in named}
         self.position = {p: i for i, (_, p) in enumerate(named)}
-        self.sync = GradientSync(
-            grace, dense_warmup_steps, min_numel, overlap, "spardl-ddp-comm", first_step_timeout
-        )
+        self._grace = grace
+        self._sync_args = (dense_warmup_steps, min_numel, overlap, first_step_timeout)
+        self._sync: GradientSync | None = None
+        if isinstance(grace, Synchronizer):
+            self._sync = self._build(grace)
+        self._versions_at_last_step: int | None = None
+
+    def _build(self, grace: Synchronizer) -> GradientSync:
+        warmup, min_numel, overlap, timeout = self._sync_args
+        return GradientSync(grace, warmup, min_numel, overlap, "spardl-ddp-comm", timeout)
+
+    @property
+    def sync(self) -> GradientSync:
+        """The GradientSync that synchronises the buckets (built from the parameters at first
+        use when the state was given a dict)."""
+        if self._sync is None:
+            assert isinstance(self._grace, Mapping)
+            self._sync = self._build(grace_from_params(dict(self._grace)))
+        return self._sync
 
     def canonical(self, params: list[torch.Tensor]) -> tuple[Bucket, list[int]]:
         """The bucket of `params` in reverse registration order, and that order as indices
@@ -82,6 +117,21 @@ class CommHookState:
         return Bucket(
             tuple(self.names[params[j]] for j in order), tuple(params[j].numel() for j in order)
         ), order
+
+    def check_optimizer_stepped(self, previous_finite: bool) -> None:
+        """Called once a step is synchronised: ValueError if the parameters have not changed
+        in place (no optimizer step) since the previous synchronisation, when that one's result
+        was finite (previous_finite; see the class docstring)."""
+        versions = sum(p._version for p in self.names)
+        previous, self._versions_at_last_step = self._versions_at_last_step, versions
+        if previous == versions and previous_finite:
+            raise ValueError(
+                "DDP synchronised the gradients twice without an optimizer step in between: "
+                "gradient accumulation needs DDP's no_sync() on every backward but the last "
+                "(Lightning's accumulate_grad_batches and Accelerate's accelerator.accumulate() "
+                "do this); otherwise the hook would compress the gradient averaged at the "
+                "previous backward again and count part of it twice"
+            )
 
     @property
     def last_stats(self) -> dict[str, float]:
@@ -112,8 +162,10 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         functools.partial(_in_ddp_layout, buffer, ddp_parts, order, canonical, reordered)
     )
     if bucket.is_last():
+        previous_finite = state.sync.last_step_finite
         state.sync.end_step()
         settle(future)  # its copy back into DDP's layout too, before DDP's own collectives
+        state.check_optimizer_stepped(previous_finite)
     return future
 
 

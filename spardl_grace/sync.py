@@ -208,6 +208,10 @@ class GradientSync:
         self.dense_warmup_steps = dense_warmup_steps
         self.min_numel = min_numel
         self.steps = 0
+        #: whether the last finished step synchronised every bucket sparsely with a finite
+        #: result (False when a bucket went dense, whose result is not checked)
+        self.last_step_finite = False
+        self._step_finite = True
         self._agreed: set[Bucket] = set()
         #: the last step's statistics (bytes, entries, seconds), summed over its buckets
         self.last_stats: dict[str, float] = {}
@@ -262,6 +266,7 @@ class GradientSync:
     ) -> None:
         """Queue the bucket's all-reduce (in place of `flat` where it has the communication
         dtype); `future` gets the average, or the error, as the thread would give it."""
+        self._step_finite = False
         try:
             queued = self._in_step(self._queue_bucket, dense, flat, bucket)
         except BaseException as exc:
@@ -327,11 +332,13 @@ class GradientSync:
             if self.is_dense(bucket):
                 result = self.dense.step(flat, bucket.key)
                 self._add_stats(self.dense.last_stats)
+                self._step_finite = False
                 return result
             with per_parameter_stores(self.grace.memory, bucket) as outcome:
                 result = self.grace.step(flat, bucket.key)
                 # The result is identical on every rank, so all ranks decide alike, unasked.
                 outcome.keep = self.grace.result_is_finite(result, bucket.key)
+            self._step_finite = self._step_finite and outcome.keep
             self._add_stats(self.grace.last_stats)
             return result
 
@@ -392,10 +399,13 @@ class GradientSync:
             settle(future)
         failed = self._step_error is not None
         self._pending, self._step_error = [], None
+        finite, self._step_finite = self._step_finite, True
         if failed:
             self._step_stats = {}
+            self.last_step_finite = False
             return
         self.steps += 1
+        self.last_step_finite = finite
         self.last_stats, self._step_stats = self._step_stats, {}
 
     def state_dict(self) -> dict[str, Any]:

@@ -41,6 +41,15 @@ def test_example_trains_with_identical_replicas(backend, script):
     trained(run_example(backend, script))
 
 
+def test_trainer_examples_train_and_the_accelerate_one_resumes_bit_identically(tmp_path):
+    """examples/lightning_ddp.py and accelerate_ddp.py under torchrun (Lightning and Accelerate
+    create the process group themselves, after the hook's parameters are given)."""
+    trained(run_example("gloo", "lightning_ddp.py"))
+    output = run_example("gloo", "accelerate_ddp.py", env={"CHECKPOINT_DIR": str(tmp_path)})
+    trained(output)
+    assert "resumed run bit-identical: True" in output
+
+
 def test_fsdp_example_trains_with_the_same_shards_on_both_nodes():
     """examples/fsdp_hybrid.py as its docstring runs it: 4 ranks, a 2 x 2 mesh, no argument."""
     trained(run_example("gloo", "fsdp_hybrid.py", nprocs=4))

@@ -63,7 +63,8 @@ def test_one_version_and_a_torch_range(wheel):
     torch_req = [r for r in requires if re.match(r"torch\b", r)]
     assert torch_req == ["torch>=2.1"], torch_req  # a range users can satisfy; the pin is the set-up's
     extras = {ln.split(": ", 1)[1] for ln in meta if ln.startswith("Provides-Extra: ")}
-    assert extras == {"horovod", "mpi", "wandb", "experiments", "docs", "dev"}
+    assert extras == {"horovod", "mpi", "wandb", "experiments", "docs", "dev", "lightning",
+                      "accelerate"}
 
 
 def test_setup_py_reads_the_same_metadata():
@@ -100,6 +101,7 @@ def test_extras_name_what_the_setup_installs():
     assert extras["dev"] == _requirements("dev.txt") - base
     assert extras["docs"] == _requirements("docs.txt")
     assert extras["horovod"] == _requirements("horovod.txt")
+    assert extras["lightning"] | extras["accelerate"] == _requirements("trainers.txt")
     assert "mpi4py" in extras["mpi"] and {"wandb", "tensorboard"} <= extras["wandb"]
 
 

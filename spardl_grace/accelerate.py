@@ -1,0 +1,71 @@
+"""Hugging Face Accelerate: a sparse all-reduce as the communication hook of the DDP module
+that `accelerator.prepare` builds, its compression state in `accelerator.save_state`.
+
+One added line after prepare:
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    spardl_grace.accelerate.register_comm_hook(accelerator, model, {
+        'compressor': 'topk', 'memory': 'global_residual', 'communicator': 'spardl',
+        'compress_ratio': 0.01})
+
+The hook's state (every rank's residuals and schedules, spardl_grace.trainers.AllRanksState)
+is registered for checkpointing, so `accelerator.save_state(dir)` writes it beside the model
+and optimizer, and `accelerator.load_state(dir)` restores it: a resumed run continues bit for
+bit like one never stopped. Gradient accumulation works inside `accelerator.accumulate(model)`
+(DDP's no_sync on every micro-batch but the last). Tested with Accelerate 1.15.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .api import Synchronizer
+from .ddp import CommHookState, comm_hook
+from .trainers import AllRanksState
+
+
+def register_comm_hook(
+    accelerator: Any,
+    model: torch.nn.Module,
+    grace: Synchronizer | Mapping[str, Any] | CommHookState,
+    **state_options: Any,
+) -> CommHookState:
+    """Register spardl_grace.comm_hook on `model` (what accelerator.prepare returned) and the
+    compression state with accelerator.register_for_checkpointing; returns the state.
+
+    grace: GRACE's parameters (a dict), a communicator from grace_from_params, or a
+    CommHookState built for this model. state_options: CommHookState's keywords
+    (dense_warmup_steps, min_numel, overlap, first_step_timeout), with a dict or communicator.
+    ValueError when prepare did not build DDP (one process, FSDP, DeepSpeed, ...) or the model
+    already has a communication hook (DDP takes one)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        kind = getattr(accelerator, "distributed_type", "unknown")
+        raise ValueError(
+            f"the model is a {type(model).__name__} (Accelerate's distributed type "
+            f"{getattr(kind, 'value', kind)}), not the DistributedDataParallel module that "
+            "accelerator.prepare builds for 2 or more processes on CPUs or GPUs (MULTI_CPU, "
+            "MULTI_GPU): pass prepare's result, launched with accelerate launch or torchrun; "
+            "for FSDP see spardl_grace.fsdp"
+        )
+    hooks = getattr(model, "_comm_hooks", [])
+    if hooks:
+        names = ", ".join(getattr(hook, "__qualname__", str(hook)) for hook, _ in hooks)
+        raise ValueError(
+            f"the model already has a communication hook ({names}) and DDP takes one: "
+            "register spardl_grace's once, and no DistributedDataParallelKwargs(comm_hook=...)"
+        )
+    if isinstance(grace, CommHookState):
+        if state_options:
+            raise ValueError(
+                f"{', '.join(sorted(state_options))}: give these to CommHookState, or pass "
+                "GRACE's parameters instead of a built state"
+            )
+        state = grace
+    else:
+        state = CommHookState(grace, model, **state_options)
+    model.register_comm_hook(state, comm_hook)
+    accelerator.register_for_checkpointing(AllRanksState(state))
+    return state
