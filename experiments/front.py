@@ -1,0 +1,148 @@
+"""The accuracy-per-byte front (issue 39) from an ablation's runs: a table, a verdict, a plot.
+
+    python -m experiments.front experiments/results/front_resnet20_cpu
+
+Reads OUT/CONFIG-seedS/ (run.json and log.jsonl of experiments.ablation's runs, finished ones
+only) and writes OUT/front.md (the table and the verdict), OUT/front.json and
+OUT/front.png: final test accuracy (mean, error bar min..max over the seeds) against
+megabytes sent per step and worker over the whole run, one point per config. Bytes after the
+warm-up are the last epoch's bytes per step (SparDL's after its density warm-up, PowerSGD's
+and post-local SGD's after their start).
+
+The verdict is the issue's test of dominance: for every PowerSGD point, is there a SparDL point
+that sends no more bytes per step (whole run) with at least its mean accuracy? Configs with
+fewer seeds than the most any config has are marked, and no verdict is final until every
+config has them all.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from experiments.main_trainer import read_log
+
+
+def family(config: str) -> str:
+    """'spardl', 'topka', 'powersgd', 'postlocal', 'fp16' or 'dense' for an ablation config."""
+    head = config.split("@")[0].split("+")[0]
+    for name in ("powersgd", "postlocal"):
+        if head.startswith(name):
+            return name
+    return head
+
+
+def load_runs(out: Path) -> list[dict[str, Any]]:
+    """Every finished run under `out`, with its last epoch's bytes per step added."""
+    runs = []
+    for record in sorted(out.glob("*/run.json")):
+        run = json.loads(record.read_text())
+        epochs = read_log(record.parent)["epoch"]
+        run["bytes_after_warmup"] = epochs[-1]["bytes_sent_per_step"] if epochs else None
+        runs.append(run)
+    return runs
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per config: accuracy mean/min/max, bytes per step whole run and after warm-up
+    (means over seeds), seeds."""
+    rows = []
+    for config in dict.fromkeys(r["config"] for r in runs):
+        mine = [r for r in runs if r["config"] == config]
+        accuracy = [r["test_accuracy"] for r in mine]
+        rows.append({
+            "config": config, "family": family(config), "seeds": sorted(r["seed"] for r in mine),
+            "accuracy": {"mean": statistics.fmean(accuracy), "min": min(accuracy),
+                         "max": max(accuracy)},
+            "bytes_run": statistics.fmean(r["bytes_run"] for r in mine),
+            "bytes_after_warmup": statistics.fmean(r["bytes_after_warmup"] for r in mine),
+            "dense_bytes": mine[0]["dense_bytes"]})
+    return sorted(rows, key=lambda r: -r["bytes_run"])
+
+
+def dominance(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each PowerSGD row: the SparDL rows that send no more bytes (whole run) with at least
+    its mean accuracy (possibly none)."""
+    sparse = [r for r in rows if r["family"] == "spardl"]
+    return [{"powersgd": p["config"],
+             "dominated_by": [s["config"] for s in sparse
+                              if s["bytes_run"] <= p["bytes_run"]
+                              and s["accuracy"]["mean"] >= p["accuracy"]["mean"]]}
+            for p in rows if p["family"] == "powersgd"]
+
+
+def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> str:
+    most = max(len(r["seeds"]) for r in rows)
+    dense = next((r for r in rows if r["config"] == "dense"), None)
+    lines = ["| config | seeds | test accuracy, mean (min..max) | vs dense, points | "
+             "bytes/step, whole run | after warm-up | vs dense (whole run) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = r["accuracy"]
+        gap = (f"{100 * (acc['mean'] - dense['accuracy']['mean']):+.2f}" if dense else "-")
+        partial = "" if len(r["seeds"]) == most else " (partial)"
+        lines.append(
+            f"| {r['config']} | {len(r['seeds'])}{partial} | {acc['mean']:.4f} "
+            f"({acc['min']:.4f}..{acc['max']:.4f}) | {gap} | {r['bytes_run']:,.0f} | "
+            f"{r['bytes_after_warmup']:,.0f} | 1/{r['dense_bytes'] / r['bytes_run']:.1f} |")
+    complete = all(len(r["seeds"]) == most for r in rows)
+    lines.append("")
+    for v in verdicts:
+        by = ", ".join(v["dominated_by"]) or "no SparDL point"
+        lines.append(f"- {v['powersgd']}: at no more bytes and at least its mean accuracy: {by}.")
+    held = all(v["dominated_by"] for v in verdicts)
+    lines.append(
+        f"- SparDL {'dominates' if held else 'does not dominate'} PowerSGD's points on these "
+        f"runs{'' if complete else ' (not final: some configs lack seeds)'}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"dense": "black", "fp16": "grey", "powersgd": "tab:red", "postlocal": "tab:purple",
+               "spardl": "tab:blue", "topka": "tab:green"}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        acc = r["accuracy"]
+        ax.errorbar(r["bytes_run"] / 1e6, acc["mean"],
+                    yerr=[[acc["mean"] - acc["min"]], [acc["max"] - acc["mean"]]],
+                    fmt="o", capsize=3, color=colours.get(r["family"], "tab:orange"))
+        ax.annotate(f"{r['config']} ({len(r['seeds'])})", (r["bytes_run"] / 1e6, acc["mean"]),
+                    fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("MB sent per step and worker (whole run, log scale)")
+    ax.set_ylabel("final test accuracy (mean; bars: min..max over seeds)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="the ablation's output directory")
+    p.add_argument("--title", default="accuracy per byte")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    runs = load_runs(out)
+    if not runs:
+        raise SystemExit(f"no finished run (CONFIG-seedS/run.json) under {out}")
+    rows = summarise(runs)
+    verdicts = dominance(rows)
+    text = markdown(rows, verdicts)
+    (out / "front.md").write_text(text)
+    (out / "front.json").write_text(json.dumps({"rows": rows, "dominance": verdicts}, indent=1))
+    plot(rows, out / "front.png", args.title)
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
