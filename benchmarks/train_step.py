@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--algorithms", default="ddp,fp16,powersgd1,powersgd4,dense,spardl",
-                   help=f"comma-separated of {', '.join(compare.ALGORITHMS)}")
+                   help=f"comma-separated of {', '.join(compare.ALGORITHMS)}, or the "
+                        "ablation's configs (experiments.ablation: 'spardl@0.003+compact', "
+                        "'powersgd2', 'postlocal16'; warm-ups are left out: steady state)")
     p.add_argument("--bandwidths", default="100mbit,1gbit", help="comma-separated link rates")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=10)
@@ -68,10 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     args.algorithms = [a for a in args.algorithms.split(",") if a]
-    unknown = sorted(set(args.algorithms) - set(compare.ALGORITHMS))
-    if unknown:
-        p.error(f"unknown algorithm(s) {unknown}; valid: {', '.join(compare.ALGORITHMS)}")
-    ddp = [a for a in args.algorithms if a in DDP_ONLY]
+    for name in args.algorithms:
+        try:
+            algorithm_options(name)
+        except ValueError as exc:
+            p.error(f"{exc}; valid: {', '.join(compare.ALGORITHMS)}, or an ablation config")
+    ddp = [a for a in args.algorithms if a in DDP_ONLY or _ablation_baseline(a)]
     if args.launcher == "horovodrun" and ddp:
         p.error(f"--launcher horovodrun cannot run {', '.join(ddp)}: DDP's own, which needs "
                 "torch.distributed; run it with --launcher spawn")
@@ -101,23 +105,58 @@ def _trainer(args: argparse.Namespace, out: Path, workers: int, options: list[st
             "--powersgd-start-iter", "2", "--device", args.device, "--out", str(out), *options]
 
 
+def _ablation_baseline(name: str) -> bool:
+    """Whether `name` is one of PyTorch's own answers in the ablation's naming (DDP's)."""
+    from experiments.ablation import TORCH_BASELINES
+    return name not in compare.ALGORITHMS and name.split("+")[0].startswith(tuple(TORCH_BASELINES))
+
+
+def algorithm_options(name: str) -> list[str]:
+    """The training CLI's options for `name`: one of compare.ALGORITHMS without its warm-up,
+    or an ablation config (experiments.ablation.config_options) with its density warm-up left
+    out and PyTorch's baselines compressing from step 2 (post-local SGD averaging from its
+    first period): the steady state. ValueError naming the problem otherwise."""
+    if name in compare.ALGORITHMS:
+        return compare.algorithm_options(name, warmup=False)
+    from experiments.ablation import config_options
+    head, *techniques = name.split("+")
+    steady = "+".join([head, *(t for t in techniques if not t.startswith("warmup"))])
+    if "@" not in head and not _ablation_baseline(head) and head != "dense":
+        raise ValueError(f"unknown algorithm {name!r}")
+    return config_options(steady, total_steps=0)
+
+
 def step_times(out: Path, skip: int) -> list[float]:
     """Rank 0's step times after the first `skip` steps."""
     return [r["step_s"] for r in read_log(out)["step"]][skip:]
 
 
 def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Path) -> dict[str, Any]:
-    cmd = _trainer(args, out, args.workers, compare.algorithm_options(name, warmup=False))
+    cmd = _trainer(args, out, args.workers, algorithm_options(name))
     if args.launcher == "horovodrun":
         under_horovodrun(cmd[1:], args.workers, rate)
     else:
         run_all([cmd + (["--bandwidth", rate] if rate else [])], [_env()], ROOT)
-    times = step_times(out, args.skip)
+    # Post-local SGD starts after period - 1 dense steps and then averages once a period: its
+    # step is the mean over the whole periods after its start.
+    period = _postlocal_period(name)
+    times = step_times(out, max(args.skip, period - 1))
+    if period:
+        whole = len(times) // period * period
+        if whole == 0:
+            raise ValueError(f"{name}: --steps must reach {2 * period - 1} (its start, "
+                             f"{period - 1}, plus one period)")
+        times = [statistics.fmean(times[-whole:])]
     # The last evaluation window lies after the skipped steps (PowerSGD's dense start).
     payload = read_log(out)["eval"][-1]["bytes_sent_per_step"]
     wire_s = payload * 8 / rate_bits_per_s(rate) if rate else None
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
             "bytes_per_step": payload, "wire_s_of_bytes": wire_s}
+
+
+def _postlocal_period(name: str) -> int:
+    head = name.split("+")[0]
+    return int(head[len("postlocal"):]) if head.startswith("postlocal") else 0
 
 
 def under_horovodrun(script: list[str], workers: int, rate: str | None) -> None:
@@ -231,7 +270,7 @@ def table(result: dict[str, Any]) -> str:
             vs = f"{r['step_s'] / ddp:.2f}" if ddp else "-"
             bound = f"{r['bound_s']:.3f}" if "bound_s" in r else "-"
             vs_bound = f"{r['vs_bound']:.2f}" if "vs_bound" in r else "-"
-            lines.append(f"{compare.LABELS[name]:<26}{r['step_s']:>9.3f}"
+            lines.append(f"{compare.LABELS.get(name, name):<26}{r['step_s']:>9.3f}"
                          f"{r['bytes_per_step'] / 1e6:>9.3f}{wire:>8}{vs:>8}{bound:>9}"
                          f"{vs_bound:>9}")
     return "\n".join(lines)

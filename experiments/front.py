@@ -13,6 +13,13 @@ The verdict is the issue's test of dominance: for every PowerSGD point, is there
 that sends no more bytes per step (whole run) with at least its mean accuracy? Configs with
 fewer seeds than the most any config has are marked, and no verdict is final until every
 config has them all.
+
+With --step-times (a benchmarks.train_step JSON whose algorithms are these configs; 'dense'
+is looked up as 'ddp', what a user runs) it adds the time to accuracy at each of its link
+rates: the steps a config's mean curve over its seeds needed to reach dense's mean accuracy
+after --target-epoch epochs (evaluated once an epoch), times its steady-state step time, plus
+the wire time of the bytes its warm-up (PowerSGD's dense start, SparDL's density warm-up) sent
+beyond the steady state's, epoch by epoch.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.netem import rate_bits_per_s
 from experiments.main_trainer import read_log
 
 
@@ -35,14 +43,68 @@ def family(config: str) -> str:
 
 
 def load_runs(out: Path) -> list[dict[str, Any]]:
-    """Every finished run under `out`, with its last epoch's bytes per step added."""
+    """Every finished run under `out`, with its last epoch's bytes per step and its epochs
+    ((step, test accuracy, bytes per step), the last record of each epoch) added."""
     runs = []
     for record in sorted(out.glob("*/run.json")):
         run = json.loads(record.read_text())
-        epochs = read_log(record.parent)["epoch"]
-        run["bytes_after_warmup"] = epochs[-1]["bytes_sent_per_step"] if epochs else None
+        epochs = {e["epoch"]: e for e in read_log(record.parent)["epoch"]}
+        run["epochs"] = [(e["step"], e["test_accuracy"], e["bytes_sent_per_step"])
+                         for _, e in sorted(epochs.items())]
+        run["bytes_after_warmup"] = run["epochs"][-1][2] if epochs else None
         runs.append(run)
     return runs
+
+
+def mean_curve(runs: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """(step, mean test accuracy, mean bytes per step) per epoch over `runs` (one config)."""
+    epochs = min(len(r["epochs"]) for r in runs)
+    return [(runs[0]["epochs"][e][0],
+             statistics.fmean(r["epochs"][e][1] for r in runs),
+             statistics.fmean(r["epochs"][e][2] for r in runs)) for e in range(epochs)]
+
+
+def time_to_accuracy(runs: list[dict[str, Any]], step_times: dict[str, Any],
+                     target_epoch: int) -> dict[str, Any]:
+    """Per config: the steps its mean curve needed to reach dense's mean accuracy after
+    `target_epoch` epochs, and per link rate the seconds (see the module docstring)."""
+    dense = mean_curve([r for r in runs if r["config"] == "dense"])
+    target = dense[target_epoch - 1][1]
+    rows = {}
+    for config in dict.fromkeys(r["config"] for r in runs):
+        curve = mean_curve([r for r in runs if r["config"] == config])
+        reached = next((e for e, (_, acc, _) in enumerate(curve) if acc >= target), None)
+        row: dict[str, Any] = {"steps": curve[reached][0] if reached is not None else None}
+        measured = "ddp" if config == "dense" else config
+        for rate, algorithms in step_times["networks"].items():
+            step = algorithms.get(measured)
+            if step is None or reached is None:
+                row[rate] = None
+                continue
+            steady, previous, extra = curve[-1][2], 0, 0.0
+            for step_at, _, sent in curve[: reached + 1]:
+                extra += max(0.0, sent - steady) * (step_at - previous) * 8 / rate_bits_per_s(rate)
+                previous = step_at
+            row[rate] = {"step_s": step["step_s"],
+                         "seconds": row["steps"] * step["step_s"] + extra,
+                         "warmup_wire_s": extra}
+        rows[config] = row
+    return {"target_epoch": target_epoch, "target_accuracy": target, "configs": rows}
+
+
+def time_markdown(result: dict[str, Any], rates: list[str]) -> str:
+    lines = [f"Time to dense's mean accuracy after {result['target_epoch']} epochs "
+             f"({result['target_accuracy']:.4f}):", "",
+             "| config | steps | " + " | ".join(f"{r} s/step | {r} seconds" for r in rates) + " |",
+             "|---|---|" + "---|---|" * len(rates)]
+    for config, row in result["configs"].items():
+        cells = []
+        for rate in rates:
+            t = row[rate]
+            cells += ([f"{t['step_s']:.3f}", f"{t['seconds']:,.0f}"] if t else ["-", "-"])
+        steps = f"{row['steps']:,}" if row["steps"] is not None else "not reached"
+        lines.append(f"| {config} | {steps} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -129,6 +191,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="the ablation's output directory")
     p.add_argument("--title", default="accuracy per byte")
+    p.add_argument("--step-times", default=None,
+                   help="a benchmarks.train_step JSON of these configs: add time to accuracy")
+    p.add_argument("--target-epoch", type=int, default=6,
+                   help="the target is dense's mean accuracy after this many epochs")
     args = p.parse_args(argv)
     out = Path(args.out)
     runs = load_runs(out)
@@ -137,8 +203,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = summarise(runs)
     verdicts = dominance(rows)
     text = markdown(rows, verdicts)
+    report: dict[str, Any] = {"rows": rows, "dominance": verdicts}
+    if args.step_times:
+        step_times = json.loads(Path(args.step_times).read_text())
+        report["time_to_accuracy"] = time_to_accuracy(runs, step_times, args.target_epoch)
+        text += "\n" + time_markdown(report["time_to_accuracy"], list(step_times["networks"]))
     (out / "front.md").write_text(text)
-    (out / "front.json").write_text(json.dumps({"rows": rows, "dominance": verdicts}, indent=1))
+    (out / "front.json").write_text(json.dumps(report, indent=1))
     plot(rows, out / "front.png", args.title)
     print(text)
     return rows

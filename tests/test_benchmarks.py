@@ -597,6 +597,34 @@ def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
             train_step.parse_args(["--device", "cuda"])
 
 
+def test_training_step_benchmark_takes_the_fronts_configs(tmp_path):
+    """The ablation's config names (issue 39's front) at their steady state: the warm-up left
+    out, PowerSGD from step 2, post-local SGD's step the mean over its periods after its start;
+    bad names are refused naming the valid ones."""
+    from benchmarks import train_step
+    from experiments.models import build_model
+    options = train_step.algorithm_options("spardl@0.003+warmup2ep+compact")
+    assert options[options.index("--density") + 1] == "0.003"
+    assert options[options.index("--wire") + 1] == "compact"
+    assert options[options.index("--density-warmup") + 1] == "0"
+    powersgd = train_step.algorithm_options("powersgd2")
+    assert powersgd[powersgd.index("--powersgd-start-iter") + 1] == "2"
+    assert powersgd[powersgd.index("--powersgd-rank") + 1] == "2"
+    postlocal = train_step.algorithm_options("postlocal4")
+    assert postlocal[postlocal.index("--postlocal-start-iter") + 1] == "3"
+    for bad in ("nope", "spardl@2", "powersgdx"):
+        with pytest.raises(SystemExit):
+            train_step.parse_args(["--algorithms", bad])
+    result = train_step.main(["--dnn", "fashioncnn", "--batch-size", "8", "--workers", "2",
+                              "--algorithms", "spardl@0.05+warmup16+compact,postlocal4",
+                              "--bandwidths", "20mbit", "--steps", "11", "--skip", "2"])
+    rows = next(iter(result["networks"].values()))
+    n = sum(p.numel() for p in build_model("fashioncnn", 1, 10).parameters())
+    assert 0 < rows["spardl@0.05+warmup16+compact"]["bytes_per_step"] < 0.1 * 4 * n
+    # one value: the mean over the two periods after post-local SGD's start
+    assert rows["postlocal4"]["step_s"] == rows["postlocal4"]["step_s_min"] > 0
+
+
 def test_training_step_benchmark_under_horovodrun(capsys):
     """--launcher horovodrun: the same rows from ranks that horovodrun started, on an emulated
     20 Mbit network (each rank in its namespace, horovodrun reaching them as on a cluster);

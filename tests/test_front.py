@@ -13,8 +13,10 @@ def _run(out, config: str, seed: int, accuracy: float, bytes_run: float, last_ep
     (folder / "run.json").write_text(json.dumps({
         "config": config, "seed": seed, "test_accuracy": accuracy, "train_loss": 0.1,
         "bytes_run": bytes_run, "dense_bytes": 1000.0, "train_s": 1.0, "steps": 10}))
-    epochs = [{"kind": "epoch", "epoch": e, "step": 5 * (e + 1), "bytes_sent_per_step": b}
-              for e, b in enumerate((2 * last_epoch, last_epoch))]
+    epochs = [{"kind": "epoch", "epoch": e, "step": 5 * (e + 1), "bytes_sent_per_step": b,
+               "test_accuracy": a}
+              for e, (b, a) in enumerate(((2 * last_epoch, accuracy - 0.05),
+                                          (last_epoch, accuracy)))]
     (folder / "log.jsonl").write_text("\n".join(json.dumps(e) for e in epochs) + "\n")
 
 
@@ -39,3 +41,29 @@ def test_the_front_reports_means_ranges_and_which_powersgd_points_sparDL_dominat
     assert "does not dominate" in text and "not final: some configs lack seeds" in text
     assert "| powersgd4 | 1 (partial) |" in text
     assert (tmp_path / "front.png").stat().st_size > 0
+
+
+def test_time_to_accuracy_uses_the_mean_curve_step_times_and_the_warmups_extra_bytes(tmp_path):
+    """Target: dense's mean accuracy after epoch 1 (0.85). spardl reaches it at its second
+    epoch (step 10): 10 steps of its measured 0.5 s, plus the wire time at 100 Mbit of the
+    bytes its first epoch sent beyond its last (5 steps x 400 bytes); powersgd1 never does;
+    dense is timed as DDP."""
+    _run(tmp_path, "dense", 0, 0.90, 1000, 1000)
+    _run(tmp_path, "spardl@0.01", 0, 0.86, 600, 400)
+    _run(tmp_path, "powersgd1", 0, 0.84, 100, 50)
+    step_times = {"networks": {"100mbit": {"ddp": {"step_s": 1.0},
+                                           "spardl@0.01": {"step_s": 0.5}}}}
+    (tmp_path / "steps.json").write_text(json.dumps(step_times))
+    front.main([str(tmp_path), "--step-times", str(tmp_path / "steps.json"),
+                "--target-epoch", "1"])
+    result = json.loads((tmp_path / "front.json").read_text())["time_to_accuracy"]
+    assert abs(result["target_accuracy"] - 0.85) < 1e-12
+    rows = result["configs"]
+    assert rows["dense"]["steps"] == 5
+    assert rows["dense"]["100mbit"]["seconds"] == 5 * 1.0 + 1000 * 5 * 8 / 100e6
+    assert rows["spardl@0.01"]["steps"] == 10
+    extra = 400 * 5 * 8 / 100e6
+    assert rows["spardl@0.01"]["100mbit"] == {"step_s": 0.5, "seconds": 10 * 0.5 + extra,
+                                              "warmup_wire_s": extra}
+    assert rows["powersgd1"]["steps"] is None and rows["powersgd1"]["100mbit"] is None
+    assert "| powersgd1 | not reached | - | - |" in (tmp_path / "front.md").read_text()
