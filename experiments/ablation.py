@@ -37,6 +37,8 @@ TECHNIQUES = {
     "clip": ["--local-clip-norm", "5"],
     "compact": ["--wire", "compact"],
     "exact": ["--wire", "exact"],
+    "hybrid": ["--fsdp", "hybrid"],  # FSDP2 inside 2 "nodes", the sparse all-reduce between
+    "flat": ["--fsdp", "flat"],  # FSDP2 over every rank, SparDL's reduce-scatter
 }
 LR_TECHNIQUES = ("lrwarmup",)  # they change the optimiser, not the synchronisation
 DEFAULT_CONFIGS = "dense,spardl,spardl+warmup,spardl+mc,spardl+clip,spardl+warmup+mc,spardl+warmup+mc+clip"

@@ -225,6 +225,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ddp-hook", action="store_true",
                    help="run this library's algorithm through DistributedDataParallel and "
                         "spardl_grace.comm_hook instead of DistributedOptimizer")
+    p.add_argument("--fsdp", default=None, choices=("hybrid", "flat"),
+                   help="shard the model with FSDP2: hybrid (sharded inside each of "
+                        "--fsdp-nodes nodes, the sparse all-reduce between them) or flat "
+                        "(sharded over every rank, SparDL's Spar-Reduce-Scatter as FSDP's "
+                        "reduce-scatter); this library's algorithms only, no checkpoints")
+    p.add_argument("--fsdp-nodes", type=int, default=2,
+                   help="--fsdp hybrid: the nodes (replicas); --nworkers must be a multiple")
     p.add_argument("--wire", default=None, choices=WIRES,
                    help="the sparse all-reduces' wire format (grace_from_params' 'wire'; "
                         "default: the library's)")
@@ -312,6 +319,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ddp_hook and baseline:
         p.error(f"--ddp-hook runs this library's algorithms through DDP; {args.compressor} is "
                 "DDP already")
+    if args.fsdp is not None:
+        why = None
+        if baseline or args.ddp_hook:
+            why = "its sharded modes run this library's algorithms, not DDP"
+        elif args.resume != "never" or args.checkpoint_every:
+            why = "it keeps no checkpoints (--resume, --checkpoint-every)"
+        elif args.fsdp == "hybrid" and (args.fsdp_nodes < 2 or args.nworkers % args.fsdp_nodes):
+            why = (f"hybrid needs --fsdp-nodes >= 2 dividing --nworkers, got "
+                   f"{args.fsdp_nodes} and {args.nworkers}")
+        elif args.fsdp == "flat" and not (args.compression and args.compressor == "spardl"):
+            why = "flat makes SparDL's reduce-scatter FSDP's: it needs --compression --compressor spardl"
+        elif args.bucket_cap_mb is not None or args.no_overlap or args.deepreduce:
+            why = "FSDP's units are its buckets: no --bucket-cap-mb, --no-overlap or --deepreduce"
+        if why:
+            p.error(f"--fsdp {args.fsdp}: {why}")
     if baseline:
         if args.resume != "never":
             p.error(f"--resume: {args.compressor}'s hook state is not checkpointed; resume works "
@@ -661,6 +683,13 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport,
                             args.postlocal_start_iter if postlocal else args.powersgd_start_iter,
                             args.bucket_cap_mb, args.postlocal_period), None
     params = grace_params(args, steps_per_epoch)
+    if args.fsdp is not None:
+        if not torch.distributed.is_initialized():
+            raise SystemExit("--fsdp needs torch.distributed: workers the CLI starts itself "
+                             "(--nworkers >= 2) or torchrun, not Horovod or one thread")
+        from experiments.sharded import ShardedSync
+        return ShardedSync(model, args.fsdp, args.fsdp_nodes, params, args.lr,
+                           0.0 if mc else 0.9, WEIGHT_DECAY / (1.0 - mc)), params
     counting = spardl_grace.CountingTransport(transport)
     grc = deepreduce_from_params(params, transport=counting)
     if args.ddp_hook:
@@ -764,7 +793,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
 
     def save(step: int) -> None:
         """This rank's whole state after `step` steps (crash-safe; the previous one is kept)."""
-        state = sync.compression_state()
+        state = None if args.fsdp else sync.compression_state()
         if state is not None:
             save_checkpoint({"model": model.state_dict(), "optimizer": sync.optimizer.state_dict(),
                              "compression": state, "scheduler": scheduler.state_dict(),
@@ -788,9 +817,10 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
     def evaluation(step: int, epoch: float) -> dict[str, Any]:
         """Evaluate on rank 0 with the clock stopped; every rank gets the same figures."""
         figures = torch.zeros(4, dtype=torch.float64)
+        scored = sync.evaluation_model(rank) if args.fsdp else model  # every rank gathers
         if rank == 0:
             train_s = clock.stop()
-            loss, acc = evaluate(model, test_images, test_labels)
+            loss, acc = evaluate(scored, test_images, test_labels)
             stop = (args.time_budget is not None and train_s >= args.time_budget) or \
                 (args.stop_at_target and acc >= args.target_accuracy)
             figures = torch.tensor([loss, acc, float(stop), train_s], dtype=torch.float64)
@@ -903,7 +933,8 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
         summary["wire_bytes_per_step_run"] = (wire - run["wire_at_start"]) / steps
     logger.log({**summary, "kind": "run"}, summary["step"])
     logger.close()
-    digest = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    digest = (sync.local_parameters() if args.fsdp else
+              torch.cat([p.detach().reshape(-1) for p in model.parameters()])).cpu()
     torch.save({"rank": rank, "params": digest, "summary": summary}, out / f"final-rank{rank}.pt")
     return summary
 

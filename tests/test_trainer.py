@@ -479,6 +479,43 @@ def test_the_ddp_hook_path_trains_like_the_optimizer_and_resumes(tmp_path):
     assert torch.load(buckets / "ckpt-rank0.pt", weights_only=True)["compression"]["steps"] == 6
 
 
+def test_the_sharded_modes_train_as_plain_ddp_does_at_density_one(tmp_path):
+    """--fsdp hybrid (2 nodes of 2) and flat on 4 real gloo workers, SparDL at density 1 and no
+    warm-up: every step is a dense average, so the runs log plain SparDL's training losses
+    (within float rounding: the reductions' order differs) and its test accuracy, which rank 0
+    scores on the weights gathered from the shards; and the two modes' own communicators send
+    what they should (hybrid: only across the nodes, so less than plain SparDL)."""
+    options = ["--nworkers", "4", "--density", "1.0", "--density-warmup", "0", "--max-steps", "4"]
+    _cli(tmp_path / "plain", *options)
+    _cli(tmp_path / "hybrid", *options, "--fsdp", "hybrid")
+    _cli(tmp_path / "flat", *options, "--fsdp", "flat")
+    logs = {name: main_trainer.read_log(tmp_path / name) for name in ("plain", "hybrid", "flat")}
+    for name in ("hybrid", "flat"):
+        assert [s["loss"] for s in logs[name]["step"]] == pytest.approx(
+            [s["loss"] for s in logs["plain"]["step"]], rel=1e-4)
+        assert logs[name]["epoch"][-1]["test_accuracy"] == pytest.approx(
+            logs["plain"]["epoch"][-1]["test_accuracy"], abs=0.02)
+        assert 0 < logs[name]["epoch"][-1]["bytes_sent_per_step"] \
+            < logs["plain"]["epoch"][-1]["bytes_sent_per_step"]
+    finals = [torch.load(tmp_path / "hybrid" / f"final-rank{r}.pt", weights_only=True)["params"]
+              for r in range(4)]
+    assert torch.equal(finals[0], finals[2]) and torch.equal(finals[1], finals[3])  # replicas
+
+
+def test_the_sharded_modes_refuse_what_they_cannot_do(tmp_path, capsys):
+    for options, error in [
+            (["--compression", "--compressor", "torch_powersgd", "--fsdp", "hybrid"],
+             "this library's algorithms, not DDP"),
+            (["--compression", "--fsdp", "hybrid", "--resume"], "keeps no checkpoints"),
+            (["--compression", "--nworkers", "4", "--fsdp", "hybrid", "--fsdp-nodes", "3"],
+             "--fsdp-nodes >= 2 dividing --nworkers"),
+            (["--compression", "--compressor", "topka", "--fsdp", "flat"],
+             "needs --compression --compressor spardl"),
+            (["--compression", "--nworkers", "2", "--fsdp", "hybrid", "--bucket-cap-mb", "1"],
+             "FSDP's units are its buckets")]:
+        assert error in _refused(tmp_path, capsys, *options)
+
+
 def test_grace_benchmarks_config_string_trains(tmp_path):
     """GRACE-benchmarks' --grace_config, single quotes and all, on 2 workers."""
     config = ("{'compressor': 'topk', 'memory': 'residual', 'communicator': 'allgather', "
