@@ -586,6 +586,14 @@ def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor)
             (logits.argmax(1) == labels).float().mean().item())
 
 
+def residual_norm(grace) -> float:
+    """L2 norm of every residual this rank's communicator holds (what error feedback still
+    owes)."""
+    residuals = getattr(grace.memory, "residuals", {})
+    return float(torch.sqrt(sum((r.float() ** 2).sum() for r in residuals.values()))) \
+        if residuals else 0.0
+
+
 class GraceSync:
     """This library's path: DistributedOptimizer with a grace communicator, bytes counted by
     a CountingTransport (the trainer's sync interface, as experiments.baselines.TorchDDPSync)."""
@@ -620,10 +628,7 @@ class GraceSync:
         self.optimizer.load_compression_state_dict(state)
 
     def residual_norm(self) -> float:
-        """L2 norm of every residual this rank holds (what error feedback still owes)."""
-        residuals = getattr(self.grace.memory, "residuals", {})
-        return float(torch.sqrt(sum((r.float() ** 2).sum() for r in residuals.values()))) \
-            if residuals else 0.0
+        return residual_norm(self.grace)
 
     @property
     def grace(self):

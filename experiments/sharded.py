@@ -65,9 +65,8 @@ class ShardedSync:
 
     def residual_norm(self) -> float:
         """L2 norm of this rank's residuals (its shards')."""
-        residuals = getattr(self.grace.memory, "residuals", {})
-        return float(torch.sqrt(sum((r.float() ** 2).sum() for r in residuals.values()))) \
-            if residuals else 0.0
+        from experiments.main_trainer import residual_norm
+        return residual_norm(self.grace)
 
     def evaluation_model(self, rank: int) -> torch.nn.Module | None:
         """The whole model, gathered from the shards (a collective: every rank calls it), in a
