@@ -465,6 +465,34 @@ def test_rates_are_validated():
 
 
 # ------------------------------------------------------------------- simulator and plots
+def test_projection_ranges_apply_each_algorithms_validation_errors():
+    """A prediction t of an algorithm whose validation errors ran from lo to hi (predicted /
+    measured - 1) stands for [t / (1 + hi), t / (1 + lo)]; gTop-k over SparDL's best d (up
+    to 64) is given as predicted, without the signed-mean bias, and from one extreme to the
+    other; an algorithm that was not validated has no range."""
+    from benchmarks import simulate
+    errors = {"100mbit": {"gtopk": {"n": 1, "signed_mean": 0.0, "min": -0.5, "max": 0.25},
+                          "spardl": {"n": 3, "signed_mean": -0.2, "min": -0.5, "max": 0.0}},
+              "1gbit": {"spardl": {"n": 1, "signed_mean": 0.2, "min": -0.2, "max": 1.0}}}
+    assert simulate.error_band(errors, "spardl") == (-0.5, 1.0)
+    with pytest.raises(ValueError, match="no errors for topka"):
+        simulate.error_band(errors, "topka")
+    scaled = {"net": {"gtopk": [2.0, 4.0], "spardl": [1.0, 1.0], "dense": [9.0, 9.0]}}
+    teams = {"net": {"256": {"1": 1.0, "64": 0.5, "128": 0.1},
+                     "1024": {"1": 2.0, "64": 1.0}}}
+    ranges = simulate.projection_ranges(scaled, teams, [256, 1024], errors)["net"]
+    at256 = ranges["256"]
+    assert at256["seconds"]["gtopk"] == [2.0 / 1.25, 2.0 / 0.5]
+    assert at256["seconds"]["dense"] is None
+    assert at256["spardl_best_d"] == 64  # 128 is beyond the table's d
+    assert at256["spardl_best"] == [0.5 / 2.0, 0.5 / 0.5]
+    assert at256["gtopk_over_spardl_point"] == 4.0
+    signed = (-0.2 * 3 + 0.2 * 1) / 4
+    assert at256["gtopk_over_spardl_bias_corrected"] == pytest.approx(4.0 * (1 + signed))
+    assert at256["gtopk_over_spardl"] == [1.6 / 1.0, 4.0 / 0.25]
+    assert ranges["1024"]["gtopk_over_spardl_point"] == 4.0
+
+
 def test_simulator_validates_predicts_to_1024_and_plots(tmp_path):
     files = []
     for size in (2, 3):
