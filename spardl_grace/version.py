@@ -1,3 +1,3 @@
 """The one version string of spardl-grace."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

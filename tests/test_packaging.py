@@ -67,6 +67,14 @@ def test_one_version_and_a_torch_range(wheel):
                       "accelerate"}
 
 
+def test_the_changelog_and_the_docs_name_the_packages_version():
+    """The newest release in CHANGELOG.md is __version__ (an 'Unreleased' section may sit
+    above it), and the manual's front page says which version it describes."""
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert releases and releases[0] == spardl_grace.__version__
+    assert f"spardl-grace {spardl_grace.__version__}" in (ROOT / "docs" / "index.md").read_text()
+
+
 def test_setup_py_reads_the_same_metadata():
     """setup.py is a shim for tools that still run it; the metadata is pyproject.toml's."""
     out = subprocess.run([sys.executable, "setup.py", "--name", "--version"], cwd=ROOT,
