@@ -57,7 +57,7 @@ class CommHookState:
     DDP's no_sync) raise ValueError on every rank: DDP would hand the hook the accumulated
     gradient, already averaged once, and a sparse all-reduce would send part of it again
     from the residuals. A step whose result was not finite (a GradScaler skips its optimizer
-    step) is exempt."""
+    step) is exempt, and so is one with a bucket sent dense (its result is not checked)."""
 
     def __init__(
         self,

@@ -54,12 +54,14 @@ def test_accelerate_resumes_bit_identically_from_save_state(launch):
 
 def test_gradient_accumulation_needs_no_sync(launch):
     """With no_sync (by hand, Accelerate's accumulate(), Lightning's accumulate_grad_batches)
-    two backward passes synchronise once; without it every rank raises, naming the fix; a
-    DDPStrategy with another hook is refused by the callback."""
+    two backward passes synchronise once; a step skipped for a non-finite result (as a
+    GradScaler skips it) is no accumulation; without no_sync every rank raises, naming the
+    fix; a DDPStrategy with another hook is refused by the callback."""
     results = launch("gloo", 2, "trainer_scenarios.accumulation", timeout=300)
     _same_on_every_rank(results, ["accelerate_model"])
     for r in results:
         assert r["with_no_sync_steps"] == 3
+        assert r["skipped_step_finite"] is False  # and the step after it did not raise
         assert "no_sync()" in r["without_no_sync"]
         assert r["accelerate_steps"] == 3
         assert r["lightning_accumulated_steps"] == 8

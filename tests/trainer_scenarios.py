@@ -213,6 +213,15 @@ def accumulation(transport) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
     two_passes(model, optimizer, 3, no_sync=True)
     with_no_sync = state.sync.steps
+    # A step whose result is not finite is skipped, as a GradScaler skips it: the next
+    # synchronisation without an optimizer step in between is no accumulation.
+    x, y = _batch(100, transport.rank)
+    optimizer.zero_grad()
+    (F.mse_loss(model(x), y) * float("inf")).backward()
+    skipped_finite = state.sync.last_step_finite
+    optimizer.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()
     try:
         two_passes(model, optimizer, 1, no_sync=False)
         without = ""
@@ -252,6 +261,7 @@ def accumulation(transport) -> dict:
     except ValueError as exc:
         other_hook = str(exc)
     return {"with_no_sync_steps": with_no_sync, "without_no_sync": without,
+            "skipped_step_finite": skipped_finite,
             "accelerate_steps": acc_state.sync.steps, "accelerate_model": flat(prepared),
             "lightning_accumulated_steps": accumulating.state.sync.steps,
             "other_hook": other_hook}
