@@ -86,7 +86,8 @@ def _build(mode: str, density: float, dnn: str):
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One rank of one mode: train, time, count, and (global rank 0) print the JSON row."""
+    """One rank of one mode: train, time, count, (global rank 0) print the JSON row, and end the
+    process."""
     import torch
     import torch.distributed as dist
 
@@ -130,7 +131,10 @@ def worker(args: argparse.Namespace) -> None:
             "inside_node_bytes_per_step": sum(r["lo"] for r in rows) / steps,
             "library_bytes_per_step": sum(r["library_bytes"] for r in rows) / steps,
         }), flush=True)
-    dist.destroy_process_group()
+    # torch 2.13's gloo can abort a worker that exits normally after its last collective
+    # ("terminate called without an active exception"; it failed a CI run): end without that race.
+    from spardl_grace.transport.torch_dist import destroy_and_exit
+    destroy_and_exit()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -99,18 +102,79 @@ def run(launcher: str, script: list[str], per_node: int = 2, rate: str = "10gbit
     with EmulatedNetwork(2, rate, interface_name=INTERFACE) as net, \
             ssh_to_nodes(net, launch_env()) as env:
         before = [_tx_bytes(net, node) for node in range(net.size)]
-        procs = [subprocess.Popen(on_node(net.namespace(node), cmd), cwd=ROOT, env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for node, cmd in enumerate(commands(launcher, net, per_node, script))]
+        procs: list[subprocess.Popen] = []
         try:
-            outputs = [proc.communicate(timeout=timeout) for proc in procs]
+            for node, cmd in enumerate(commands(launcher, net, per_node, script)):
+                procs.append(subprocess.Popen(on_node(net.namespace(node), cmd), cwd=ROOT,
+                                              env=env, text=True, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, start_new_session=True))
+                if launcher == "torchrun" and node == 0:
+                    _wait_listening(net, procs[0], PORT, min(timeout, RENDEZVOUS_WAIT_S))
+            outputs = _communicate_all(procs, timeout)
         finally:
             for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+                _kill(proc)
         sent = [_tx_bytes(net, node) - before[node] for node in range(net.size)]
     return Run([p.returncode for p in procs], [o for o, _ in outputs], [e for _, e in outputs], sent)
+
+
+RENDEZVOUS_WAIT_S = 60.0
+FAILED_NODE_GRACE_S = 30.0
+
+
+def _wait_listening(net: EmulatedNetwork, host: subprocess.Popen, port: int, seconds: float) -> None:
+    """Until node 0's torchrun listens on its rendezvous `port` (or exits, or `seconds` pass):
+    the other nodes then find its store at once. Started together on a loaded machine, a node
+    whose agent reached the store before it listened gave up and left node 0 waiting for it."""
+    deadline = time.monotonic() + seconds
+    while host.poll() is None and time.monotonic() < deadline:
+        listening = subprocess.run(net.command(0, ["ss", "-Hltn", f"sport = :{port}"]),
+                                   capture_output=True, text=True)
+        if listening.stdout.strip():
+            return
+        time.sleep(0.2)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill `proc` and its process group if it leads one (the launchers here do), then reap it."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
+def _communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Every process's (stdout, stderr), read at the same time. When one exits with an error
+    the others get FAILED_NODE_GRACE_S to end too (a node waiting for a dead peer never would)
+    and are then killed with their process groups (their workers hold the pipes), so a
+    failure returns its output instead of waiting out `timeout`; subprocess.TimeoutExpired
+    after `timeout` seconds (everything killed first)."""
+    outputs: list[tuple[str, str]] = [("", "")] * len(procs)
+
+    def read(i: int) -> None:
+        outputs[i] = procs[i].communicate()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for reader in readers:
+        reader.start()
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(reader.is_alive() for reader in readers):
+        now = time.monotonic()
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + FAILED_NODE_GRACE_S):
+            for proc in procs:
+                _kill(proc)
+            for reader in readers:
+                reader.join(timeout=10)
+            if now > deadline:
+                raise subprocess.TimeoutExpired(procs[0].args, timeout)
+            break
+        time.sleep(0.2)
+    return outputs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,3 +45,25 @@ def test_every_launcher_trains_the_same_model_across_two_nodes():
         assert min(run.tx_bytes) > 100_000, (launcher, run.tx_bytes)
         reports[launcher] = match.groups()
     assert len(set(reports.values())) == 1, reports
+
+
+def test_a_node_that_fails_ends_the_launch_with_its_output(monkeypatch):
+    """One node's launcher exits with an error while the other would wait for it forever: the
+    launch returns both exit statuses and the failed node's output after the grace period,
+    not after the timeout."""
+    import subprocess
+    import time
+    monkeypatch.setattr(twonode, "FAILED_NODE_GRACE_S", 1.0)
+    procs = [subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True)
+             for cmd in (["sh", "-c", "sleep 600"], ["sh", "-c", "echo lost >&2; exit 3"])]
+    start = time.monotonic()
+    outputs = twonode._communicate_all(procs, timeout=120)
+    assert time.monotonic() - start < 30
+    assert [p.returncode for p in procs][1] == 3 and procs[0].returncode != 0
+    assert outputs[1] == ("", "lost\n")
+    slow = subprocess.Popen(["sh", "-c", "sleep 600"], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        twonode._communicate_all([slow], timeout=1)
+    assert slow.poll() is not None
