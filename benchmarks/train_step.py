@@ -132,14 +132,16 @@ def step_times(out: Path, skip: int) -> list[float]:
 
 
 def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Path) -> dict[str, Any]:
-    cmd = _trainer(args, out, args.workers, algorithm_options(name))
+    options = algorithm_options(name)
+    cmd = _trainer(args, out, args.workers, options)
     if args.launcher == "horovodrun":
         under_horovodrun(cmd[1:], args.workers, rate)
     else:
         run_all([cmd + (["--bandwidth", rate] if rate else [])], [_env()], ROOT)
     # Post-local SGD starts after period - 1 dense steps and then averages once a period: its
     # step is the mean over the whole periods after its start.
-    period = _postlocal_period(name)
+    period = int(options[options.index("--postlocal-period") + 1]) \
+        if "--postlocal-period" in options else 0
     times = step_times(out, max(args.skip, period - 1))
     if period:
         whole = len(times) // period * period
@@ -152,11 +154,6 @@ def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Pa
     wire_s = payload * 8 / rate_bits_per_s(rate) if rate else None
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
             "bytes_per_step": payload, "wire_s_of_bytes": wire_s}
-
-
-def _postlocal_period(name: str) -> int:
-    head = name.split("+")[0]
-    return int(head[len("postlocal"):]) if head.startswith("postlocal") else 0
 
 
 def under_horovodrun(script: list[str], workers: int, rate: str | None) -> None:

@@ -108,8 +108,6 @@ def run(launcher: str, script: list[str], per_node: int = 2, rate: str = "10gbit
                 procs.append(subprocess.Popen(on_node(net.namespace(node), cmd), cwd=ROOT,
                                               env=env, text=True, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, start_new_session=True))
-                if launcher == "torchrun" and node == 0:
-                    _wait_listening(net, procs[0], PORT, min(timeout, RENDEZVOUS_WAIT_S))
             outputs = _communicate_all(procs, timeout)
         finally:
             for proc in procs:
@@ -118,21 +116,7 @@ def run(launcher: str, script: list[str], per_node: int = 2, rate: str = "10gbit
     return Run([p.returncode for p in procs], [o for o, _ in outputs], [e for _, e in outputs], sent)
 
 
-RENDEZVOUS_WAIT_S = 60.0
 FAILED_NODE_GRACE_S = 30.0
-
-
-def _wait_listening(net: EmulatedNetwork, host: subprocess.Popen, port: int, seconds: float) -> None:
-    """Until node 0's torchrun listens on its rendezvous `port` (or exits, or `seconds` pass):
-    the other nodes then find its store at once. Started together on a loaded machine, a node
-    whose agent reached the store before it listened gave up and left node 0 waiting for it."""
-    deadline = time.monotonic() + seconds
-    while host.poll() is None and time.monotonic() < deadline:
-        listening = subprocess.run(net.command(0, ["ss", "-Hltn", f"sport = :{port}"]),
-                                   capture_output=True, text=True)
-        if listening.stdout.strip():
-            return
-        time.sleep(0.2)
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from deepreduce_compat import deepreduce_from_params
+from experiments.sharded import MODES as FSDP_MODES
 from spardl_grace import launch, registry
 from spardl_grace.registry import WIRES
 from spardl_grace.warmup import warmup_density
@@ -225,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ddp-hook", action="store_true",
                    help="run this library's algorithm through DistributedDataParallel and "
                         "spardl_grace.comm_hook instead of DistributedOptimizer")
-    p.add_argument("--fsdp", default=None, choices=("hybrid", "flat"),
+    p.add_argument("--fsdp", default=None, choices=FSDP_MODES,
                    help="shard the model with FSDP2: hybrid (sharded inside each of "
                         "--fsdp-nodes nodes, the sparse all-reduce between them) or flat "
                         "(sharded over every rank, SparDL's Spar-Reduce-Scatter as FSDP's "
