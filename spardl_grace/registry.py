@@ -314,6 +314,14 @@ PARAMS: tuple[Param, ...] = (
         int_at_least(0),
     ),
     ranged(
+        "min_entries",
+        0,
+        "a floor for the sparse all-reduces: every tensor sends at least about this many "
+        "entries a step, all of a smaller one (0: none); a small model's density then rises, "
+        "a large one's is left alone",
+        int_at_least(0),
+    ),
+    ranged(
         "density_warmup_start",
         DEFAULT_WARMUP_START,
         "the density warm-up's first stage (DGC's 0.25)",
@@ -433,10 +441,12 @@ def _resolve(params: dict[str, Any]) -> tuple[dict[str, Any], PayloadCodec | Non
     _check_combination(p, coded=chosen is not None)
     if "wire" in params:
         _check_wire(p["communicator"], coded=chosen is not None)
-    warmup = [k for k in ("density_warmup_steps", "density_warmup_start") if k in params]
-    if warmup and p["communicator"] not in SPARSE_ALLREDUCES:
+    schedule = [
+        k for k in ("density_warmup_steps", "density_warmup_start", "min_entries") if k in params
+    ]
+    if schedule and p["communicator"] not in SPARSE_ALLREDUCES:
         raise ValueError(
-            f"{' and '.join(warmup)} warm up the density of the sparse all-reduces "
+            f"{' and '.join(schedule)} set the density of the sparse all-reduces "
             f"({', '.join(SPARSE_ALLREDUCES)}); communicator {p['communicator']!r} has none "
             "(a GRACE compressor's density changes with set_density)"
         )
@@ -584,6 +594,7 @@ def grace_from_params(
     built = algorithm.build(compressor, memory, transport, p, codec)
     if algorithm.family == "sparse" and isinstance(built, SparseAllreduce):
         built.set_density_warmup(p["density_warmup_steps"], p["density_warmup_start"])
+        built.set_min_entries(p["min_entries"])
     return built
 
 

@@ -1,7 +1,8 @@
-"""The library's density warm-up (spardl_grace.warmup, grace_from_params' density_warmup_steps):
-DGC's stages in equal parts over each name's first steps, the counts every sparse all-reduce
-then sends, a checkpoint round trip that continues the schedule bit for bit, ranks that
-disagree on it (or stand in different stages) raising at once, and the keys' refusals."""
+"""The library's density schedule for the sparse all-reduces: the density warm-up
+(spardl_grace.warmup, grace_from_params' density_warmup_steps: DGC's stages in equal parts over
+each name's first steps) and the floor on entries a step (min_entries). The counts every sparse
+all-reduce then sends, a checkpoint round trip that continues the schedule bit for bit, ranks
+that disagree on it (or stand in different stages) raising at once, and the keys' refusals."""
 from __future__ import annotations
 
 import math
@@ -115,7 +116,7 @@ def test_ranks_in_different_stages_raise_at_once():
 def test_the_warmup_keys_are_refused_where_there_is_no_density_to_warm():
     from spardl_grace.transport.local import LocalTransport
     one = LocalTransport.world(1)[0]
-    with pytest.raises(ValueError, match="warm up the density of the sparse all-reduces"):
+    with pytest.raises(ValueError, match="set the density of the sparse all-reduces"):
         grace_from_params({"compressor": "topk", "memory": "residual", "communicator": "allgather",
                            "density_warmup_steps": 100}, transport=one)
     with pytest.raises(ValueError, match="density_warmup_steps must be an int >= 0"):
@@ -128,3 +129,65 @@ def test_the_warmup_keys_are_refused_where_there_is_no_density_to_warm():
                              "density_warmup_start": 0.0625}, transport=one)
     assert (grc.density_warmup_steps, grc.density_warmup_start) == (40, 0.0625)
     assert grc.density_at(0) == 0.0625 and grc.density_at(39) == 0.015625 and grc.density_at(40) == 0.01
+
+
+@pytest.mark.parametrize("comm", [c for c in SPARSE_ALLREDUCES if c != "gaussiank"])
+def test_the_floor_raises_a_small_tensors_count_and_conserves(comm):
+    """min_entries 100 on 2,000 entries at density 0.01 (20 entries): TopkA selects exactly
+    100 a step; every exact-count algorithm conserves mass and agrees across ranks."""
+    per_rank = run_steps(4, {"communicator": comm, "compress_ratio": 0.01, "min_entries": 100},
+                         2000, steps=3)
+    check_consistent_and_conserving(per_rank, 4)
+    if comm == "topka":
+        assert [r["stats"]["gather_entries"] for r in per_rank[0]] == [100, 100, 100]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 10**7), st.integers(0, 5000), st.floats(1e-4, 1.0), st.integers(0, 30))
+def test_the_floor_is_exact_and_leaves_large_tensors_alone(numel, floor, density, step):
+    """count_for_ratio at the floored density is max(the schedule's count, min(numel, floor)):
+    exactly the floor where it binds, never one short by rounding."""
+    from spardl_grace.transport.local import LocalTransport
+    grc = grace_from_params({**SPARSE, "communicator": "topka", "compress_ratio": density,
+                             "min_entries": floor, "density_warmup_steps": 20},
+                            transport=LocalTransport.world(1)[0])
+    scheduled = count_for_ratio(numel, warmup_density(step, 20, 0.25, density))
+    assert count_for_ratio(numel, grc.density_at(step, numel)) == max(scheduled, min(numel, floor))
+    assert grc.density_at(step) == warmup_density(step, 20, 0.25, density)
+
+
+def test_spardl_sends_the_floors_entries_in_its_blocks():
+    """SparDL at density 0.01 on 4,000 entries over 4 workers: 10 entries per block of 1,000
+    without a floor; with min_entries 400, 100 per block (the density rounds per block), and
+    the wire carries the cost formula's 8 bytes x 2k(P-1)/P more for the 360 more entries."""
+    plain = run_steps(4, {"communicator": "spardl", "compress_ratio": 0.01}, 4000, steps=2)
+    floored = run_steps(4, {"communicator": "spardl", "compress_ratio": 0.01,
+                            "min_entries": 400}, 4000, steps=2)
+    check_consistent_and_conserving(floored, 4)
+    grc = floored[0][0]["grc"]
+    assert grc.block_layout(4000, grc.density_at(0, 4000)) == (1000, 100)
+    assert grc.block_layout(4000, plain[0][0]["grc"].density_at(0, 4000)) == (1000, 10)
+    extra = floored[0][1]["stats"]["bytes_sent"] - plain[0][1]["stats"]["bytes_sent"]
+    assert extra == 8 * 2 * (400 - 40) * 3 // 4
+
+
+def test_ranks_with_different_floors_all_raise_naming_the_setting():
+    def fn(t):
+        grc = grace_from_params({**SPARSE, "communicator": "spardl",
+                                 "min_entries": 100 * (t.rank + 1)}, transport=t)
+        return _error(lambda: grc.step(torch.randn(1000), "w"))
+    errors = run_local(2, fn)
+    assert errors[0] == errors[1]
+    assert "communicator.min_entries: rank 0 100, rank 1 200" in errors[0]
+
+
+def test_the_floor_key_is_checked_and_refused_where_there_is_no_density():
+    from spardl_grace.transport.local import LocalTransport
+    one = LocalTransport.world(1)[0]
+    with pytest.raises(ValueError, match="set the density of the sparse all-reduces"):
+        grace_from_params({"compressor": "topk", "memory": "residual", "communicator": "allgather",
+                           "min_entries": 1000}, transport=one)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="min_entries"):
+            grace_from_params({**SPARSE, "communicator": "spardl", "min_entries": bad},
+                              transport=one)

@@ -57,7 +57,7 @@ class CodedAllreduce(SparseAllreduce):
         are in different stages of the density warm-up raise at once."""
         return {
             **super().fingerprint(tensor, name),
-            "step_density": self.density_at(self._steps.get(name, 0)),
+            "step_density": self.density_at(self._steps.get(name, 0), tensor.numel()),
         }
 
     def reduce(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -90,7 +90,7 @@ class GTopk(CodedAllreduce):
         self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, me = tensor.numel(), ex.rank
-        k = count_for_ratio(n, self.density_at(step))
+        k = count_for_ratio(n, self.density_at(step, n))
         with ex.selecting():
             chosen = torch.sort(topk_abs(tensor, k, self.scratch)).values
         own = ex.encode(tensor, chosen, f"select.{me}")

@@ -166,7 +166,7 @@ class OkTopk(CodedAllreduce):
             with ex.phase("dense"):
                 return ex.dense_average(tensor), torch.zeros_like(tensor)
         t = step - self.warmup
-        k = count_for_ratio(n, self.density_at(step))
+        k = count_for_ratio(n, self.density_at(step, n))
         everything = k >= n
 
         with ex.selecting():

@@ -103,7 +103,7 @@ class SparDL(CodedAllreduce):
         self, tensor: torch.Tensor, name: str, step: int, ex: Exchange
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = tensor.numel()
-        density = self.density_at(step)
+        density = self.density_at(step, n)
         block, kb = self.block_layout(n, density)
         m = self.team_size
         working = self.working_copy(tensor, name)  # D, starting as A
@@ -162,7 +162,7 @@ class SparDL(CodedAllreduce):
         step, ex = self.new_exchange(name)
         working = self.working_copy(compensated.reshape(-1), name)
         blocks = working.view(m, n // m)
-        kb = self.block_layout(n, self.density_at(step))[1]
+        kb = self.block_layout(n, self.density_at(step, n))[1]
         with ex.phase("srs"):
             self._spar_reduce_scatter(ex, blocks, kb, list(range(m)), [])
         own = blocks[self.q].clone()

@@ -42,7 +42,7 @@ class TopkA(CodedAllreduce):
         n = tensor.numel()
         residual = self.working_copy(tensor, name)  # A, less what the others decode from us
         with ex.selecting():
-            chosen = self.select(tensor, count_for_ratio(n, self.density_at(step)))
+            chosen = self.select(tensor, count_for_ratio(n, self.density_at(step, n)))
         with ex.phase("gather"):
             mine = ex.take(residual, chosen, str(ex.rank))
             pieces = ex.allgather(mine.data)

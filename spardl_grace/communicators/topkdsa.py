@@ -45,7 +45,7 @@ class TopkDSA(CodedAllreduce):
         padded = self.working_copy(tensor, name)
         with ex.selecting():
             chosen = torch.sort(
-                topk_abs(tensor, count_for_ratio(n, self.density_at(step)), self.scratch)
+                topk_abs(tensor, count_for_ratio(n, self.density_at(step, n)), self.scratch)
             ).values
         with ex.phase("reduce"):
             sent, reduced, member = ex.reduce_scatter(
