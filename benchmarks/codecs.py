@@ -64,7 +64,7 @@ def run(config: dict, grads, density: float) -> dict:
     def fn(t):
         grc = deepreduce_from_params({"compressor": "topk", "memory": "global_residual",
                                       "communicator": "spardl", "compress_ratio": density,
-                                      **config}, transport=t)
+                                      "min_entries": 0, **config}, transport=t)
         sent, coding, results = [], [], []
         for grad in grads[t.rank]:
             results.append(grc.step(grad.clone(), "model"))

@@ -43,14 +43,15 @@ def synchronize(device: torch.device) -> None:
 
 def algorithm_params(name: str, density: float, teams: int, codec: dict[str, Any]) -> dict[str, Any]:
     """GRACE params of one benchmarked algorithm: the training CLI's, codec on sparse ones, the
-    compact wire on a '_compact' name (benchmarks.costmodel.variant)."""
+    compact wire on a '_compact' name (benchmarks.costmodel.variant), and no floor on the
+    entries sent, so that a sparse one sends `density` as the cost formulas say."""
     from benchmarks.costmodel import variant
     from experiments.main_trainer import allreduce_params
     algorithm, wire = variant(name)
     params = allreduce_params(algorithm, teams)
     if algorithm == "dense":
         return params
-    return {**params, "compress_ratio": density, **codec,
+    return {**params, "compress_ratio": density, "min_entries": 0, **codec,
             **({"wire": "compact"} if wire == "compact" else {})}
 
 

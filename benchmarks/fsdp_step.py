@@ -66,7 +66,7 @@ def _build(mode: str, density: float, dnn: str):
     units = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     world = torch.distributed.get_world_size()
     mesh2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    params = {"compress_ratio": density}
+    params = {"compress_ratio": density, "min_entries": 0}  # every unit at `density`
     if mode in ("hsdp", "hsdp-bf16", "flat", "flat-bound"):
         mesh = mesh2d if mode.startswith("hsdp") else init_device_mesh("cpu", (world,))
         kwargs = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)} if mode == "hsdp-bf16" else {}

@@ -37,6 +37,7 @@ TECHNIQUES = {
     "clip": ["--local-clip-norm", "5"],
     "compact": ["--wire", "compact"],
     "exact": ["--wire", "exact"],
+    "floor": ["--min-entries", "2048"],  # the library's default floor
     "hybrid": ["--fsdp", "hybrid"],  # FSDP2 inside 2 "nodes", the sparse all-reduce between
     "flat": ["--fsdp", "flat"],  # FSDP2 over every rank, SparDL's reduce-scatter
 }
@@ -80,6 +81,8 @@ def config_options(config: str, total_steps: int = 0) -> list[str]:
     options += ["--compression", "--compressor", algorithm]
     if not any(t.startswith("warmup") for t in techniques):
         options += ["--density-warmup", "0"]  # the training CLI warms up by default
+    if "floor" not in techniques:
+        options += ["--min-entries", "0"]  # so that a config's density is the density sent
     for t in techniques:
         if t not in TECHNIQUES:
             raise ValueError(f"unknown technique {t!r}; valid: {', '.join(TECHNIQUES)}")

@@ -144,6 +144,8 @@ def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -
         params.update(deepreduce=args.deepreduce, index=args.index, value=args.value)
     if args.wire is not None:
         params["wire"] = args.wire
+    if args.min_entries is not None:
+        params["min_entries"] = args.min_entries
     return {**params, **library_warmup(args, steps_per_epoch)}
 
 
@@ -236,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wire", default=None, choices=WIRES,
                    help="the sparse all-reduces' wire format (grace_from_params' 'wire'; "
                         "default: the library's)")
+    p.add_argument("--min-entries", type=int, default=None,
+                   help="the sparse all-reduces' floor on entries a tensor sends a step "
+                        "(grace_from_params' 'min_entries'; default: the library's)")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
     p.add_argument("--value", default="polyfit")
@@ -340,10 +345,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--resume: {args.compressor}'s hook state is not checkpointed; resume works "
                     "with this library's algorithms")
         if args.momentum_correction or args.local_clip_norm is not None or args.deepreduce \
-                or args.wire is not None:
+                or args.wire is not None or args.min_entries is not None:
             p.error(f"{args.compressor} is torch's own DDP path: --momentum-correction, "
-                    "--local-clip-norm, --deepreduce and --wire belong to this library's "
-                    "algorithms")
+                    "--local-clip-norm, --deepreduce, --wire and --min-entries belong to this "
+                    "library's algorithms")
     else:
         from spardl_grace.registry import resolve_params
         try:

@@ -57,8 +57,9 @@ def compression_name(compression: Any) -> str:
 
 
 def default_grace(compression: str) -> Synchronizer:
-    """The communicator for a script that names none: SparDL at density 0.01 on the active
-    backend, on the compact wire (bfloat16 values) when Horovod's fp16 compression is asked."""
+    """The communicator for a script that names none: SparDL at density 0.01 (and
+    grace_from_params' default floor of entries) on the active backend, on the compact wire
+    (bfloat16 values) when Horovod's fp16 compression is asked."""
     from .registry import grace_from_params
 
     params = dict(DEFAULT_PARAMS)

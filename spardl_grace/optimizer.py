@@ -380,8 +380,9 @@ def DistributedOptimizer(
     ...), or named_parameters second) and of GRACE (DistributedOptimizer(optimizer, grc,
     named_parameters=...), or grace=grc) are accepted as they are.
 
-    grace: a communicator from grace_from_params(...); None: SparDL at density 0.01
-        (horovod_compat.DEFAULT_PARAMS) on the active backend.
+    grace: a communicator from grace_from_params(...); None: SparDL at density 0.01 with the
+        default floor of 2,048 entries a step (horovod_compat.DEFAULT_PARAMS) on the active
+        backend.
     named_parameters: model.named_parameters(); names key the residuals in checkpoints.
     backward_passes_per_step: backward passes whose gradients are summed locally before one
         synchronisation.

@@ -21,7 +21,14 @@ from typing import Any
 
 from . import compressors as C
 from . import memories as M
-from .api import DEFAULT_WARMUP_START, Compressor, Memory, SparseAllreduce, Synchronizer
+from .api import (
+    DEFAULT_MIN_ENTRIES,
+    DEFAULT_WARMUP_START,
+    Compressor,
+    Memory,
+    SparseAllreduce,
+    Synchronizer,
+)
 from .communicators.dense import Dense
 from .communicators.grace import Allgather, Allreduce, Broadcast
 from .communicators.gtopk import RESIDUAL_RULES, GTopk
@@ -315,7 +322,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     ranged(
         "min_entries",
-        0,
+        DEFAULT_MIN_ENTRIES,
         "a floor for the sparse all-reduces: every tensor sends at least about this many "
         "entries a step, all of a smaller one (0: none); a small model's density then rises, "
         "a large one's is left alone",

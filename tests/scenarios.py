@@ -11,6 +11,7 @@ import torch
 
 from deepreduce_compat import deepreduce_from_params
 from spardl_grace import grace_from_params
+from sparse_checks import mechanics
 
 DTYPES = [torch.float32, torch.int32, torch.uint8, torch.bfloat16, torch.float64]
 
@@ -282,8 +283,7 @@ def sparse_steps(transport, params: dict, n: int, steps: int = 3, seed: int = 7,
                  integer_valued: bool = False) -> list[dict]:
     """A sparse all-reduce built from `params` for several steps on per-rank random gradients
     of n entries: per step the input, old residual, result, new residual and statistics."""
-    grc = deepreduce_from_params({"memory": "global_residual", "compressor": "topk", **params},
-                                 transport=transport)
+    grc = deepreduce_from_params(mechanics(params), transport=transport)
     g = torch.Generator().manual_seed(seed + transport.rank)
     records = []
     for step in range(steps):
@@ -316,6 +316,8 @@ def peer_params(comm: str, rho: float) -> dict:
     params = {"communicator": comm, "compress_ratio": rho}
     if comm == "dense":
         params.update(compressor="none")
+    else:
+        params.update(min_entries=0)  # the density as given, on these small tensors
     if comm == "oktopk":
         params.update(oktopk_threshold_interval=2, oktopk_region_interval=3)
     return params

@@ -6,7 +6,19 @@ import torch
 
 from deepreduce_compat import deepreduce_from_params
 from spardl_grace import run_local
+from spardl_grace.registry import SPARSE_ALLREDUCES
 from spardl_grace.transport import CountingTransport
+
+
+# The algorithms' mechanics on toy tensors: no floor on the entries sent (the library's default
+# floor, min_entries 2048, would send these tensors of a few thousand entries nearly dense).
+def mechanics(params: dict) -> dict:
+    """`params` over the tests' base: global residual, topk, and no floor for a sparse
+    all-reduce."""
+    base = {"memory": "global_residual", "compressor": "topk"}
+    if params.get("communicator") in SPARSE_ALLREDUCES:
+        base["min_entries"] = 0
+    return {**base, **params}
 
 
 def run_steps(size, params, n=None, steps=3, integer_valued=False, counting=False, grads=None):
@@ -14,8 +26,7 @@ def run_steps(size, params, n=None, steps=3, integer_valued=False, counting=Fals
     the messages sent. Gradients are random (seeded per rank) or given as grads[rank][step]."""
     def fn(t):
         transport = CountingTransport(t) if counting else t
-        grc = deepreduce_from_params({"memory": "global_residual", "compressor": "topk",
-                                      **params}, transport=transport)
+        grc = deepreduce_from_params(mechanics(params), transport=transport)
         g = torch.Generator().manual_seed(1000 + t.rank)
         records = []
         for step in range(steps):

@@ -30,7 +30,7 @@ def traced(algorithm: str, size: int, teams: int = 1, steps: int = 6, n: int = N
     def fn(t):
         transport = CountingTransport(t)
         params = {"compressor": "topk", "memory": "global_residual", "communicator": base,
-                  "compress_ratio": RHO, "wire": wire}
+                  "compress_ratio": RHO, "wire": wire, "min_entries": 0}
         if base == "dense":
             params = {"compressor": "none", "memory": "none", "communicator": "dense"}
         if base == "spardl":
@@ -604,7 +604,9 @@ def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
     assert saved["config"]["device"] == on and f"2 workers on {on}" in train_step.table(saved)
     rows = next(iter(result["networks"].values()))
     assert list(rows) == ["ddp", "powersgd4", "spardl"]
-    assert rows["spardl"]["bytes_per_step"] < 0.05 * rows["ddp"]["bytes_per_step"]
+    # FashionCNN is below the library's floor: SparDL sends 2,048 entries a step, 8 bytes each
+    # at P = 2, and its all-gather's 8 bytes of framing
+    assert rows["spardl"]["bytes_per_step"] == 8 * 2048 + 8
     # after the skipped steps PowerSGD compresses: its dense start is not in the bytes
     assert rows["powersgd4"]["bytes_per_step"] < 0.5 * rows["ddp"]["bytes_per_step"]
     n = sum(p.numel() for p in build_model("fashioncnn", 1, 10).parameters())

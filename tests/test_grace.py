@@ -159,7 +159,7 @@ def test_loading_state_from_another_world_size_fails_loudly():
 
 
 @pytest.mark.parametrize("params", [
-    {"compressor": "topk", "memory": "global_residual", "communicator": "spardl"},
+    {"compressor": "topk", "memory": "global_residual", "communicator": "spardl", "min_entries": 0},
     {"compressor": "topk", "memory": "residual", "communicator": "allgather"},
 ])
 def test_set_density_changes_what_the_next_step_sends(params):

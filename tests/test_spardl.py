@@ -161,8 +161,8 @@ def test_bytes_with_teams_match_the_formula(size, teams):
 def test_adaptive_h_moves_towards_a_full_union():
     def fn(t):
         grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
-                                 "communicator": "spardl", "compress_ratio": 0.1, "teams": 4},
-                                transport=t)
+                                 "communicator": "spardl", "compress_ratio": 0.1, "teams": 4,
+                                 "min_entries": 0}, transport=t)
         shared = torch.randn(400, generator=torch.Generator().manual_seed(5))
         hs = []
         for _ in range(6):

@@ -365,7 +365,8 @@ def test_density_warmup_follows_dgcs_schedule_within_an_epoch(tmp_path):
     """0.75 epochs of warm-up at density 0.01 become the library's warm-up over 6 of the 8
     steps: 0.25, 0.0625, 0.015625 for a quarter epoch each, then 0.01; the densities logged
     follow, and the bytes sent are more than without the warm-up."""
-    options = ["--compression", "--compressor", "spardl", "--max-steps", "8", "--density", "0.01"]
+    options = ["--compression", "--compressor", "spardl", "--max-steps", "8", "--density", "0.01",
+               "--min-entries", "0"]
     args = _args(tmp_path / "warm", *options, "--density-warmup", "0.75",
                  "--density-warmup-start", "0.25")
     assert main_trainer.library_warmup(args, 8) == {"density_warmup_steps": 6,
@@ -567,7 +568,8 @@ def test_baselines_refuse_what_they_cannot_do(tmp_path, capsys):
     for options, error in [
             (["torch_powersgd", "--resume"], "hook state is not checkpointed"),
             (["torch_fp16", "--momentum-correction", "0.9"], "torch's own DDP path"),
-            (["torch_powersgd", "--wire", "compact"], "--wire belong to this library's algorithms"),
+            (["torch_powersgd", "--wire", "compact"], "--min-entries belong to this library's"),
+            (["torch_fp16", "--min-entries", "0"], "--min-entries belong to this library's"),
             (["torch_postlocal", "--postlocal-period", "1"], "--postlocal-period must be >= 2")]:
         assert error in _refused(tmp_path, capsys, "--compression", "--compressor", *options)
     args = _args(tmp_path, "--compression", "--compressor", "torch_ddp")
@@ -581,6 +583,16 @@ def test_the_wire_option_reaches_the_library_and_is_checked_there(tmp_path, caps
     assert "wire" not in main_trainer.grace_params(_args(tmp_path, "--compression"))
     assert "'wire' is how the sparse all-reduces" in _refused(
         tmp_path, capsys, "--compression", "--compressor", "topk", "--wire", "compact")
+
+
+def test_the_floor_option_reaches_the_library_and_is_checked_there(tmp_path, capsys):
+    args = _args(tmp_path, "--compression", "--compressor", "spardl", "--min-entries", "0")
+    assert main_trainer.grace_params(args)["min_entries"] == 0
+    assert "min_entries" not in main_trainer.grace_params(_args(tmp_path, "--compression"))
+    assert "set the density of the sparse all-reduces" in _refused(
+        tmp_path, capsys, "--compression", "--compressor", "topk", "--min-entries", "100")
+    assert "min_entries must be an int >= 0" in _refused(
+        tmp_path, capsys, "--compression", "--compressor", "spardl", "--min-entries", "-1")
 
 
 def test_momentum_correction_settings_are_checked_when_parsed(tmp_path, capsys):
@@ -691,10 +703,12 @@ def test_ablation_configs_name_the_training_cli_options():
     assert ablation.config_options("dense+lrwarmup") == ["--warmup-epochs", "0.25"]
     assert ablation.config_options("spardl+warmup")[-2:] == ["--density-warmup-start", "0.25"]
     assert ablation.config_options("spardl+warmup16") == [
-        "--compression", "--compressor", "spardl", "--density-warmup", "0.25",
-        "--density-warmup-start", "0.0625"]
+        "--compression", "--compressor", "spardl", "--min-entries", "0", "--density-warmup",
+        "0.25", "--density-warmup-start", "0.0625"]
     assert ablation.config_options("spardl") == [
-        "--compression", "--compressor", "spardl", "--density-warmup", "0"]
+        "--compression", "--compressor", "spardl", "--density-warmup", "0", "--min-entries", "0"]
+    assert ablation.config_options("spardl@0.001+floor")[-2:] == ["--min-entries", "2048"]
+    assert "--min-entries" not in ablation.config_options("dense")
     with pytest.raises(ValueError, match="only the learning-rate techniques: lrwarmup"):
         ablation.config_options("dense+warmup")
     with pytest.raises(ValueError, match="unknown technique 'nope'"):
@@ -706,8 +720,8 @@ def test_ablation_configs_for_the_accuracy_per_byte_front():
     steps (post-local SGD up to a period later, so that its last step averages)."""
     from experiments import ablation
     assert ablation.config_options("spardl@0.003+warmup2ep+compact") == [
-        "--density", "0.003", "--compression", "--compressor", "spardl", "--density-warmup", "2",
-        "--density-warmup-start", "0.25", "--wire", "compact"]
+        "--density", "0.003", "--compression", "--compressor", "spardl", "--min-entries", "0",
+        "--density-warmup", "2", "--density-warmup-start", "0.25", "--wire", "compact"]
     assert ablation.config_options("topka@0.003+exact")[-2:] == ["--wire", "exact"]
     assert ablation.config_options("powersgd4", 3744) == [
         "--compression", "--compressor", "torch_powersgd", "--density-warmup", "0",

@@ -18,7 +18,9 @@ from spardl_grace.registry import SPARSE_ALLREDUCES
 from spardl_grace.selection import count_for_ratio
 from spardl_grace.warmup import warmup_density, warmup_stages
 
-SPARSE = {"compressor": "topk", "memory": "global_residual", "compress_ratio": 0.01}
+# No floor: these tests follow the density schedule on tensors of a few thousand entries.
+SPARSE = {"compressor": "topk", "memory": "global_residual", "compress_ratio": 0.01,
+          "min_entries": 0}
 
 
 def test_dgc_stages_above_the_target():
@@ -169,6 +171,21 @@ def test_spardl_sends_the_floors_entries_in_its_blocks():
     assert grc.block_layout(4000, plain[0][0]["grc"].density_at(0, 4000)) == (1000, 10)
     extra = floored[0][1]["stats"]["bytes_sent"] - plain[0][1]["stats"]["bytes_sent"]
     assert extra == 8 * 2 * (400 - 40) * 3 // 4
+
+
+def test_the_default_floor_sends_a_small_model_2048_entries_and_a_large_one_its_density():
+    """grace_from_params' default (DEFAULT_MIN_ENTRIES): TopkA on 18,378 entries (FashionCNN)
+    at density 0.01 sends 2,048 a step, not 183; on 300,000 entries 3,000."""
+    from spardl_grace.api import DEFAULT_MIN_ENTRIES
+    assert DEFAULT_MIN_ENTRIES == 2048
+    for n, sent in ((18_378, 2048), (300_000, 3000)):
+        per_rank = run_steps(2, {"communicator": "topka", "compress_ratio": 0.01,
+                                 "min_entries": DEFAULT_MIN_ENTRIES}, n, steps=1)
+        assert per_rank[0][0]["stats"]["gather_entries"] == sent
+    from spardl_grace.transport.local import LocalTransport
+    one = grace_from_params({"compressor": "topk", "memory": "global_residual",
+                             "communicator": "spardl"}, transport=LocalTransport.world(1)[0])
+    assert one.min_entries == DEFAULT_MIN_ENTRIES
 
 
 def test_ranks_with_different_floors_all_raise_naming_the_setting():

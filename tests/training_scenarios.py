@@ -14,12 +14,14 @@ from spardl_grace import (CommHookState, DistributedOptimizer, broadcast_paramet
                           grace_from_params)
 from spardl_grace.transport.counting import CountingTransport
 
+# No floor on the entries sent (min_entries 0): the library's default floor would send these
+# small models nearly dense, and the scenarios are about the sparse path.
 ALGORITHMS = {
-    "spardl": {"communicator": "spardl", "memory": "global_residual"},
-    "gtopk": {"communicator": "gtopk", "memory": "global_residual"},
-    "oktopk": {"communicator": "oktopk", "memory": "global_residual",
+    "spardl": {"communicator": "spardl", "memory": "global_residual", "min_entries": 0},
+    "gtopk": {"communicator": "gtopk", "memory": "global_residual", "min_entries": 0},
+    "oktopk": {"communicator": "oktopk", "memory": "global_residual", "min_entries": 0,
                "oktopk_threshold_interval": 4, "oktopk_region_interval": 8},
-    "topka": {"communicator": "topka", "memory": "global_residual"},
+    "topka": {"communicator": "topka", "memory": "global_residual", "min_entries": 0},
 }
 DENSITY = 0.05
 BATCH = 32
