@@ -6,6 +6,10 @@
   docstring (its own or one inherited from a base class), and every public module must be
   rendered somewhere in the API reference (a `::: module` line under docs/api/). Each gap is a
   warning, so `mkdocs build --strict` fails on it.
+- Every table on a results page (docs/results/) is followed by its provenance line:
+  `Recorded DATE, MACHINE: `COMMAND` -> `RESULT FILE`` (a date, the machine in words: CPU
+  cores or a GPU, the command in backticks, and at least one backticked result path that
+  exists in the repository). A table without one is a warning, so --strict fails on it.
 - Tables that the library declares are generated where a page has their marker
   (`<!-- generated: parameters -->`, `<!-- generated: algorithms -->`): grace_from_params'
   keys from spardl_grace.registry.PARAMS, the communicators from ALGORITHMS.
@@ -102,6 +106,64 @@ def algorithms_table() -> str:
     return "\n".join(rows)
 
 
+PROVENANCE_START = re.compile(r"^Recorded \d{4}-\d{2}-\d{2}")
+MACHINE = re.compile(r"CPU core|GPU|H100|H200")
+COMMAND = re.compile(r"`(?:python|bash|horovodrun|torchrun|mpirun)\b[^`]*`")
+
+
+def _expand(path: str) -> list[str]:
+    """A path with {a,b,...} groups as every path they name, as the shell's brace expansion."""
+    group = re.search(r"\{([^{}]*)\}", path)
+    if not group:
+        return [path]
+    return [expanded for part in group.group(1).split(",")
+            for expanded in _expand(path[: group.start()] + part + path[group.end():])]
+
+
+def _names_a_result(line: str, root: Path) -> bool:
+    """Whether a backticked path in `line` is a result file or folder of the repository ({a,b}
+    groups are expanded; every path they name must exist)."""
+    for token in re.findall(r"`([^`\s]+)`", line):
+        if not token.startswith(RESULT_DIRS):
+            continue
+        paths = _expand(token)
+        if all(list(root.glob(p)) for p in paths):
+            return True
+    return False
+
+
+def tables_without_provenance(markdown: str, root: Path = ROOT) -> list[str]:
+    """'line N: why' for every table of `markdown` (outside fenced code) whose next non-blank
+    line is not a provenance line: it must start 'Recorded YYYY-MM-DD', name the machine (CPU
+    cores or a GPU), give the command in backticks and name a result file or folder under
+    experiments/results/ or benchmarks/results/ that exists."""
+    lines = markdown.splitlines()
+    problems, fenced, i = [], False, 0
+    while i < len(lines):
+        if lines[i].lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or not lines[i].startswith("|"):
+            i += 1
+            continue
+        start = i
+        while i < len(lines) and lines[i].startswith("|"):
+            i += 1
+        after = next((line for line in lines[i:] if line.strip()), "")
+        why = []
+        if not PROVENANCE_START.match(after):
+            why.append("no line 'Recorded YYYY-MM-DD, ...' after it")
+        else:
+            if not MACHINE.search(after):
+                why.append("its provenance line names no machine (CPU cores or a GPU)")
+            if not COMMAND.search(after):
+                why.append("its provenance line gives no command in backticks")
+            if not _names_a_result(after, root):
+                why.append("its provenance line names no result file that exists")
+        if why:
+            problems.append(f"table at line {start + 1}: {'; '.join(why)}")
+    return problems
+
+
 GENERATED = {"<!-- generated: parameters -->": parameters_table,
              "<!-- generated: algorithms -->": algorithms_table}
 
@@ -112,6 +174,9 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     for marker, table in GENERATED.items():
         if marker in markdown:
             markdown = markdown.replace(marker, table())
+    if page.file.src_uri.startswith("results/"):
+        for problem in tables_without_provenance(markdown):
+            log.warning("%s: %s", page.file.src_uri, problem)
     return markdown
 
 

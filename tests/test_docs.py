@@ -94,6 +94,30 @@ def test_a_missing_docstring_and_an_unreferenced_module_are_reported(tmp_path):
     assert hooks.modules_missing_from_reference(api, hooks.public_modules(loaded)) == ["pkg.mod"]
 
 
+def test_a_results_table_without_its_provenance_line_is_reported(tmp_path):
+    """What makes `mkdocs build --strict` fail on a results page (every page there passes, or
+    the site test fails): a table not followed by 'Recorded DATE, MACHINE: `COMMAND` ->
+    `RESULT`', or whose line lacks the machine, the command or an existing result file."""
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    for name in ("a_100mbit.json", "a_1gbit.json"):
+        (tmp_path / "benchmarks" / "results" / name).write_text("{}")
+    table = "| x | y |\n|---|---|\n| 1 | 2 |\n"
+    good = ("Recorded 2026-11-25, 2 CPU cores: `python -m benchmarks.comm --bandwidth 1gbit` -> "
+            "`benchmarks/results/a_{100mbit,1gbit}.json`.\n")
+    check = _hooks().tables_without_provenance
+    assert check(f"# Page\n\n{table}\n{good}", tmp_path) == []
+    assert check(f"```\n{table}```\n", tmp_path) == []  # a table in a code block is text
+    cases = {
+        "no line 'Recorded": f"{table}\nSome prose.\n",
+        "names no machine": f"{table}\n{good.replace('2 CPU cores', 'a machine')}",
+        "gives no command": f"{table}\n{good.replace('`python -m benchmarks.comm --bandwidth 1gbit`', 'the benchmark')}",
+        "names no result file that exists": f"{table}\n{good.replace('1gbit}', '10gbit}')}",
+    }
+    for why, page in cases.items():
+        problems = check(f"# Page\n\n{table}\n{good}\n{page}", tmp_path)
+        assert len(problems) == 1 and why in problems[0] and "table at line 9" in problems[0], why
+
+
 def test_the_readmes_relative_links_resolve():
     """GitHub renders README.md and examples/README.md outside the site: their links to files
     of the repository must point at files that exist."""
