@@ -92,7 +92,7 @@ def time_to_accuracy(runs: list[dict[str, Any]], step_times: dict[str, Any],
     return {"target_epoch": target_epoch, "target_accuracy": target, "configs": rows}
 
 
-def time_markdown(result: dict[str, Any], rates: list[str]) -> str:
+def time_markdown(result: dict[str, Any], rates: list[str], provenance: str | None = None) -> str:
     lines = [f"Time to dense's mean accuracy after {result['target_epoch']} epochs "
              f"({result['target_accuracy']:.4f}):", "",
              "| config | steps | " + " | ".join(f"{r} s/step | {r} seconds" for r in rates) + " |",
@@ -104,6 +104,8 @@ def time_markdown(result: dict[str, Any], rates: list[str]) -> str:
             cells += ([f"{t['step_s']:.3f}", f"{t['seconds']:,.0f}"] if t else ["-", "-"])
         steps = f"{row['steps']:,}" if row["steps"] is not None else "not reached"
         lines.append(f"| {config} | {steps} | " + " | ".join(cells) + " |")
+    if provenance:
+        lines += ["", provenance]
     return "\n".join(lines) + "\n"
 
 
@@ -135,7 +137,8 @@ def dominance(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for p in rows if p["family"] == "powersgd"]
 
 
-def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]],
+             provenance: str | None = None) -> str:
     most = max(len(r["seeds"]) for r in rows)
     dense = next((r for r in rows if r["config"] == "dense"), None)
     lines = ["| config | seeds | test accuracy, mean (min..max) | vs dense, points | "
@@ -151,6 +154,8 @@ def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> str:
             f"{r['bytes_after_warmup']:,.0f} | 1/{r['dense_bytes'] / r['bytes_run']:.1f} |")
     complete = all(len(r["seeds"]) == most for r in rows)
     lines.append("")
+    if provenance:
+        lines += [provenance, ""]
     for v in verdicts:
         by = ", ".join(v["dominated_by"]) or "no SparDL point"
         lines.append(f"- {v['powersgd']}: at no more bytes and at least its mean accuracy: {by}.")
@@ -195,6 +200,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    help="a benchmarks.train_step JSON of these configs: add time to accuracy")
     p.add_argument("--target-epoch", type=int, default=6,
                    help="the target is dense's mean accuracy after this many epochs")
+    p.add_argument("--provenance", default=None,
+                   help="the line written under the front's table (the docs' 'Recorded DATE, "
+                        "MACHINE: `COMMAND` -> `RESULT`')")
+    p.add_argument("--step-times-provenance", default=None,
+                   help="the line written under the time-to-accuracy table")
     args = p.parse_args(argv)
     out = Path(args.out)
     runs = load_runs(out)
@@ -202,12 +212,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit(f"no finished run (CONFIG-seedS/run.json) under {out}")
     rows = summarise(runs)
     verdicts = dominance(rows)
-    text = markdown(rows, verdicts)
+    text = markdown(rows, verdicts, args.provenance)
     report: dict[str, Any] = {"rows": rows, "dominance": verdicts}
     if args.step_times:
         step_times = json.loads(Path(args.step_times).read_text())
         report["time_to_accuracy"] = time_to_accuracy(runs, step_times, args.target_epoch)
-        text += "\n" + time_markdown(report["time_to_accuracy"], list(step_times["networks"]))
+        text += "\n" + time_markdown(report["time_to_accuracy"], list(step_times["networks"]),
+                                     args.step_times_provenance)
     (out / "front.md").write_text(text)
     (out / "front.json").write_text(json.dumps(report, indent=1))
     plot(rows, out / "front.png", args.title)

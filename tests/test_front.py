@@ -55,7 +55,8 @@ def test_time_to_accuracy_uses_the_mean_curve_step_times_and_the_warmups_extra_b
                                            "spardl@0.01": {"step_s": 0.5}}}}
     (tmp_path / "steps.json").write_text(json.dumps(step_times))
     front.main([str(tmp_path), "--step-times", str(tmp_path / "steps.json"),
-                "--target-epoch", "1"])
+                "--target-epoch", "1", "--provenance", "Recorded A", "--step-times-provenance",
+                "Recorded B"])
     result = json.loads((tmp_path / "front.json").read_text())["time_to_accuracy"]
     assert abs(result["target_accuracy"] - 0.85) < 1e-12
     rows = result["configs"]
@@ -66,4 +67,8 @@ def test_time_to_accuracy_uses_the_mean_curve_step_times_and_the_warmups_extra_b
     assert rows["spardl@0.01"]["100mbit"] == {"step_s": 0.5, "seconds": 10 * 0.5 + extra,
                                               "warmup_wire_s": extra}
     assert rows["powersgd1"]["steps"] is None and rows["powersgd1"]["100mbit"] is None
-    assert "| powersgd1 | not reached | - | - |" in (tmp_path / "front.md").read_text()
+    text = (tmp_path / "front.md").read_text()
+    assert "| powersgd1 | not reached | - | - |" in text
+    # each table is followed by its provenance line, as the docs' results pages require
+    assert "| powersgd1 | 1 | 0.8400 (0.8400..0.8400) |" in text.split("\n\nRecorded A\n\n")[0]
+    assert text.rstrip().endswith("| spardl@0.01 | 10 | 0.500 | 5 |\n\nRecorded B")
