@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from experiments.main_trainer import read_log
+from spardl_grace.api import DEFAULT_MIN_ENTRIES
 
 ROOT = Path(__file__).resolve().parent.parent
 TECHNIQUES = {
@@ -37,7 +38,7 @@ TECHNIQUES = {
     "clip": ["--local-clip-norm", "5"],
     "compact": ["--wire", "compact"],
     "exact": ["--wire", "exact"],
-    "floor": ["--min-entries", "2048"],  # the library's default floor
+    "floor": ["--min-entries", str(DEFAULT_MIN_ENTRIES)],  # the library's default floor
     "hybrid": ["--fsdp", "hybrid"],  # FSDP2 inside 2 "nodes", the sparse all-reduce between
     "flat": ["--fsdp", "flat"],  # FSDP2 over every rank, SparDL's reduce-scatter
 }

@@ -566,9 +566,9 @@ class SparseAllreduce(Synchronizer):
         one (0: no floor): the density of a tensor of n entries is at least
         min(1, (entries + 0.5) / n), rounded as the algorithm rounds any density. At density
         0.01 a model of 18K parameters would send 184 entries a step, each entry about once
-        in 100 steps; a message of a thousand entries costs no more time than one of a
-        hundred on any link (it is latency-bound), and the floor leaves a large tensor's
-        density alone. Every rank must set the same (the ranks' agreement checks it)."""
+        in 100 steps; the default's 2,048 entries are about a round trip's worth of bytes on
+        a 100 Mbit link, and the floor leaves a large tensor's density alone. Every rank must
+        set the same (the ranks' agreement checks it)."""
         if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
             raise ValueError(f"min_entries must be an int >= 0, got {entries!r}")
         self.min_entries = entries

@@ -92,14 +92,16 @@ def _error(fn) -> str | None:
     return None
 
 
-def test_ranks_with_different_warmups_all_raise_naming_the_setting():
+@pytest.mark.parametrize("key,unit", [("density_warmup_steps", 10), ("min_entries", 100)])
+def test_ranks_with_different_schedules_all_raise_naming_the_setting(key, unit):
+    """A warm-up length or a floor that differs between ranks: both raise, naming it."""
     def fn(t):
-        grc = grace_from_params({**SPARSE, "communicator": "spardl",
-                                 "density_warmup_steps": 10 * (t.rank + 1)}, transport=t)
+        grc = grace_from_params({**SPARSE, "communicator": "spardl", key: unit * (t.rank + 1)},
+                                transport=t)
         return _error(lambda: grc.step(torch.randn(1000), "w"))
     errors = run_local(2, fn)
     assert errors[0] == errors[1]
-    assert "communicator.density_warmup_steps: rank 0 10, rank 1 20" in errors[0]
+    assert f"communicator.{key}: rank 0 {unit}, rank 1 {2 * unit}" in errors[0]
 
 
 def test_ranks_in_different_stages_raise_at_once():
@@ -186,16 +188,6 @@ def test_the_default_floor_sends_a_small_model_2048_entries_and_a_large_one_its_
     one = grace_from_params({"compressor": "topk", "memory": "global_residual",
                              "communicator": "spardl"}, transport=LocalTransport.world(1)[0])
     assert one.min_entries == DEFAULT_MIN_ENTRIES
-
-
-def test_ranks_with_different_floors_all_raise_naming_the_setting():
-    def fn(t):
-        grc = grace_from_params({**SPARSE, "communicator": "spardl",
-                                 "min_entries": 100 * (t.rank + 1)}, transport=t)
-        return _error(lambda: grc.step(torch.randn(1000), "w"))
-    errors = run_local(2, fn)
-    assert errors[0] == errors[1]
-    assert "communicator.min_entries: rank 0 100, rank 1 200" in errors[0]
 
 
 def test_the_floor_key_is_checked_and_refused_where_there_is_no_density():
