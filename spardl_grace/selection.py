@@ -70,6 +70,31 @@ def sample_stride(approx: int) -> int:
     return candidate
 
 
+def topk_abs_lowest_ties(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (int64, ascending) of the k largest |flat|, where entries tie at the k-th
+    magnitude the lowest indices among them: the same set on every device. torch.topk breaks
+    such ties as its kernel happens to, a CUDA kernel differently from a CPU one, and ties are
+    common where values went through 16 bits (gTop-k merges sums of the compact wire's bfloat16
+    values). A NaN ranks above every magnitude (as in topk_abs), NaNs among themselves by index.
+    Costs topk_abs plus a few passes over flat."""
+    n = flat.numel()
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=flat.device)
+    magnitudes = flat.abs()
+    nan = torch.isnan(magnitudes)
+    if int(nan.sum()) >= k:
+        above, ties = torch.zeros_like(nan), nan
+    else:
+        selected = magnitudes.index_select(0, topk_abs(flat, k))
+        kth = selected[~torch.isnan(selected)].min()
+        above, ties = (magnitudes > kth) | nan, magnitudes == kth
+    wanted = k - above.sum()
+    first_ties = ties & (torch.cumsum(ties, 0) <= wanted)
+    return torch.nonzero(above | first_ties).reshape(-1)
+
+
 def topk_abs(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> torch.Tensor:
     """Indices (int64) of the k largest |flat|, in no particular order.
 

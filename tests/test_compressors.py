@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from spardl_grace import compressors as C
@@ -242,3 +244,21 @@ def test_not_below_reads_its_input_each_call_and_keeps_no_reference():
     del transient
     gc.collect()
     assert alive() is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.sampled_from([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, float("inf"),
+                                        float("-inf"), float("nan")]), min_size=1, max_size=60),
+       k=st.integers(0, 70), lift=st.booleans())
+def test_topk_abs_lowest_ties_takes_the_lowest_indices_at_the_kth_magnitude(values, k, lift):
+    """The k largest |x| with ties broken towards low indices, NaN above everything: what a
+    stable descending sort of |x| puts first (torch.sort ranks NaN highest on every device).
+    Few distinct values make ties at the k-th magnitude the rule, as with bfloat16 sums;
+    `lift` pushes the tensor past the prefilter's size (the same set must come out)."""
+    from spardl_grace.selection import topk_abs_lowest_ties
+    x = torch.tensor(values, dtype=torch.float64)
+    if lift:
+        x = torch.cat([x, torch.full((1 << 16,), 0.25, dtype=torch.float64)])
+    got = topk_abs_lowest_ties(x, k)
+    want = torch.sort(x.abs(), descending=True, stable=True).indices[:k].sort().values
+    assert torch.equal(got, want)

@@ -37,7 +37,7 @@ import torch
 
 from ..api import Memory
 from ..payload import PayloadCodec, frame_overhead, pack_frames, unpack_frames
-from ..selection import count_for_ratio, topk_abs
+from ..selection import count_for_ratio, topk_abs, topk_abs_lowest_ties
 from ..transport import Transport
 from ..utils import bitpack
 from ._base import CodedAllreduce
@@ -182,8 +182,9 @@ class GTopk(CodedAllreduce):
 
     @staticmethod
     def _merge(ex: Exchange, low: _Set, high: _Set, k: int) -> _Set:
-        """Sum two sets on common indices and keep the top-k of the union. Identical on both
-        partners: the same operands in the same order (low rank's side first)."""
+        """Sum two sets on common indices and keep the top-k of the union, ties at the k-th
+        magnitude to the lowest indices. Identical on both partners (the same operands in the
+        same order, low rank's side first) and on every device."""
         with ex.selecting():
             cat_idx = torch.cat([low.indices, high.indices])
             union, inverse = torch.unique(cat_idx, sorted=True, return_inverse=True)
@@ -196,7 +197,7 @@ class GTopk(CodedAllreduce):
                 flags = torch.cat([low.folded, high.folded]).to(torch.int32)
                 folded = torch.zeros(union.numel(), dtype=torch.int32, device=union.device)
                 folded = folded.index_add_(0, inverse, flags) > 0
-            keep = torch.sort(topk_abs(values, k)).values
+            keep = topk_abs_lowest_ties(values, k)
         return _Set(
             union[keep], values[keep], credit[keep], None if folded is None else folded[keep]
         )
