@@ -10,18 +10,7 @@
 #   3. DeepReduce codec throughput (Bloom, polyfit, ...) on VGG-16's real gradient
 #   4. every algorithm's step on VGG-16's gradient on the GPU, 4 gloo processes (loopback)
 set -uo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PY=${PYTHON:-python3}
-R=${RESULTS:-$ROOT/benchmarks/results/gpu}
-DATA=${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}
-mkdir -p "$R"
-cd "$ROOT"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if [ "$DATA" != /usr/share/datasets/fashion-mnist ]; then
-    mkdir -p /usr/share/datasets/fashion-mnist && cp "$DATA"/*.gz /usr/share/datasets/fashion-mnist/
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/device.txt"
-"$PY" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' | tee -a "$R/device.txt"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_setup.sh"
 status=0
 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$R/test_cuda.log" | tail -n 15 || status=1
 for d in 0.01 0.001; do
