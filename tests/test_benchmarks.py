@@ -565,6 +565,31 @@ def test_kernel_timings_report_every_kernel_against_the_floor(tmp_path):
     assert "| topk_abs (prefilter) |" in tables.tables(tmp_path)
 
 
+def test_wire_coding_replays_rank_0s_messages_of_one_step(tmp_path):
+    """The recorder holds the second step's calls of rank 0 only, as that step made them: on
+    the compact wire every message it decodes has the wire's exact size for its entries, the
+    same calls as on the exact wire, and the ranks still agree on their settings (the
+    recorder's state is private)."""
+    from benchmarks import wire_coding
+    from spardl_grace.compact import CompactCodec
+    recorders = {wire: wire_coding.recorded_calls("spardl", wire, 40_000, 4, 0.05)
+                 for wire in wire_coding.WIRES}
+    methods = {wire: [m for m, _ in r._calls] for wire, r in recorders.items()}
+    assert methods["exact"] == methods["compact"] and "decode" in methods["compact"]
+    assert methods["compact"].count("encode") == 4  # 3 reduce-scatter rounds and the final
+    for method, args in recorders["compact"]._calls:
+        if method == "decode":
+            data, block = args[0], args[1]
+            count = 8 * data.numel() // (16 + (block - 1).bit_length())
+            assert data.numel() == CompactCodec().fixed_size(count, torch.float32, block)
+    out = wire_coding.main(["--numel", "40000", "--density", "0.05", "--algorithms", "spardl,topka",
+                            "--repeat", "1", "--json", str(tmp_path / "w.json")])
+    assert set(out["rows"]) == {"spardl, exact", "spardl, compact", "topka, exact", "topka, compact"}
+    assert all(r["coding_s"] > 0 and r["calls"] > 0 for r in out["rows"].values())
+    with pytest.raises(SystemExit):
+        wire_coding.main(["--wires", "exact,zip"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
 def test_kernel_timings_refuse_cuda_without_a_gpu(capsys):
     with pytest.raises(SystemExit):
