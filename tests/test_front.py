@@ -47,7 +47,8 @@ def test_time_to_accuracy_uses_the_mean_curve_step_times_and_the_warmups_extra_b
     """Target: dense's mean accuracy after epoch 1 (0.85). spardl reaches it at its second
     epoch (step 10): 10 steps of its measured 0.5 s, plus the wire time at 100 Mbit of the
     bytes its first epoch sent beyond its last (5 steps x 400 bytes); powersgd1 never does;
-    dense is timed as DDP."""
+    dense is timed as DDP. A second target (after epoch 2, 0.90) gets its own table, which only
+    dense reaches."""
     _run(tmp_path, "dense", 0, 0.90, 1000, 1000)
     _run(tmp_path, "spardl@0.01", 0, 0.86, 600, 400)
     _run(tmp_path, "powersgd1", 0, 0.84, 100, 50)
@@ -55,9 +56,9 @@ def test_time_to_accuracy_uses_the_mean_curve_step_times_and_the_warmups_extra_b
                                            "spardl@0.01": {"step_s": 0.5}}}}
     (tmp_path / "steps.json").write_text(json.dumps(step_times))
     front.main([str(tmp_path), "--step-times", str(tmp_path / "steps.json"),
-                "--target-epoch", "1", "--provenance", "Recorded A", "--step-times-provenance",
+                "--target-epoch", "1,2", "--provenance", "Recorded A", "--step-times-provenance",
                 "Recorded B"])
-    result = json.loads((tmp_path / "front.json").read_text())["time_to_accuracy"]
+    result, later = json.loads((tmp_path / "front.json").read_text())["time_to_accuracy"]
     assert abs(result["target_accuracy"] - 0.85) < 1e-12
     rows = result["configs"]
     assert rows["dense"]["steps"] == 5
@@ -71,4 +72,8 @@ def test_time_to_accuracy_uses_the_mean_curve_step_times_and_the_warmups_extra_b
     assert "| powersgd1 | not reached | - | - |" in text
     # each table is followed by its provenance line, as the docs' results pages require
     assert "| powersgd1 | 1 | 0.8400 (0.8400..0.8400) |" in text.split("\n\nRecorded A\n\n")[0]
-    assert text.rstrip().endswith("| spardl@0.01 | 10 | 0.500 | 5 |\n\nRecorded B")
+    first, second = text.split("Time to dense's mean accuracy")[1:]
+    assert first.rstrip().endswith("| spardl@0.01 | 10 | 0.500 | 5 |\n\nRecorded B")
+    assert abs(later["target_accuracy"] - 0.90) < 1e-12 and second.startswith(" after 2 epochs")
+    assert later["configs"]["dense"]["steps"] == 10 and later["configs"]["spardl@0.01"]["steps"] is None
+    assert second.rstrip().endswith("| spardl@0.01 | not reached | - | - |\n\nRecorded B")
