@@ -28,10 +28,10 @@ WIRES = ("exact", "compact")
 
 
 class RecordingCodec(PayloadCodec):
-    """Forwards to `inner`; while `recording`, keeps each call (method and copies of its
-    arguments) so that it can be replayed later on the same inner codec. Its state is private:
-    the ranks' agreement on settings compares a codec's public attributes, and only rank 0
-    records."""
+    """Forwards to `inner`; between record(True) and record(False), keeps each call (method and
+    copies of its arguments) so that it can be replayed later on the same inner codec. Its
+    state is private: the ranks' agreement on settings compares a codec's public attributes,
+    and only rank 0 records."""
 
     def __init__(self, inner: PayloadCodec):
         self.inner = inner
@@ -104,7 +104,6 @@ def run(numel: int, workers: int, density: float, algorithms: list[str], wires: 
     for algorithm in algorithms:
         for wire in wires:
             recorder = recorded_calls(algorithm, wire, numel, workers, density)
-            torch.set_num_threads(1)
             coding = timed(recorder.replay, cpu, repeat)
             rows[f"{algorithm}, {wire}"] = {"calls": recorder.calls, "coding_s": coding,
                                             "share_of_selection": coding / selection}

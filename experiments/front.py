@@ -17,9 +17,9 @@ config has them all.
 With --step-times (a benchmarks.train_step JSON whose algorithms are these configs; 'dense'
 is looked up as 'ddp', what a user runs) it adds the time to accuracy at each of its link
 rates: the steps a config's mean curve over its seeds needed to reach dense's mean accuracy
-after --target-epoch epochs (evaluated once an epoch; several targets, a table each), times its steady-state step time, plus
-the wire time of the bytes its warm-up (PowerSGD's dense start, SparDL's density warm-up) sent
-beyond the steady state's, epoch by epoch.
+after --target-epoch epochs (evaluated once an epoch; several targets, a table each), times
+its steady-state step time, plus the wire time of the bytes its warm-up (PowerSGD's dense
+start, SparDL's density warm-up) sent beyond the steady state's, epoch by epoch.
 """
 from __future__ import annotations
 
