@@ -15,6 +15,9 @@ run() {  # dnn seeds name params optimizer-args [more experiment flags]
 }
 five="0 1 2 3 4"
 ten="0 1 2 3 4 5 6 7 8 9"
+# The library's defaults since 2026-11-26: the floor of 2,048 entries on the compact wire. Every
+# other SparDL run here ran the exact wire, then the default: add "wire": "exact" to redo one.
+run fashioncnn "$ten" floor2048-compact '{"min_entries": 2048, "wire": "compact"}' '{}'
 # The floor (min_entries) at 1,024 and at 2,048 entries a step; 2,048 is the library's default
 # (the floor1024 runs were made while 1,024 was: their JSON's params are empty).
 run fashioncnn "$ten" floor1024 '{"min_entries": 1024}' '{}'
