@@ -33,10 +33,12 @@ from spardl_grace.transport import Transport, TransportError
 from spardl_grace.transport.local import PeerFailure
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "identity": {},
-    "identity + checksum": {"checksum": True},
+    "identity": {"wire": "exact"},  # the papers' format: int32 index, float32 value
+    "identity + checksum": {"wire": "exact", "checksum": True},
     "deepreduce delta + fp16": {"deepreduce": "both", "index": "delta", "value": "fp16"},
     "deepreduce bloom + polyfit": {"deepreduce": "both", "index": "bloom", "value": "polyfit"},
+    "compact": {"wire": "compact"},  # the library's default
+    "compact + checksum": {"wire": "compact", "checksum": True},
 }
 WORKERS, STEPS, NUMEL, DENSITY = 4, 3, 20_000, 0.01
 

@@ -42,8 +42,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def algorithm_params(name: str, density: float, teams: int, codec: dict[str, Any]) -> dict[str, Any]:
-    """GRACE params of one benchmarked algorithm: the training CLI's, codec on sparse ones, the
-    compact wire on a '_compact' name (benchmarks.costmodel.variant), and no floor on the
+    """GRACE params of one benchmarked algorithm: the training CLI's, codec on sparse ones, else
+    the exact wire or, on a '_compact' name, the compact one (benchmarks.costmodel.variant; the
+    library's default is compact, so both are named), and no floor on the
     entries sent, so that a sparse one sends `density` as the cost formulas say."""
     from benchmarks.costmodel import variant
     from experiments.main_trainer import allreduce_params
@@ -52,7 +53,7 @@ def algorithm_params(name: str, density: float, teams: int, codec: dict[str, Any
     if algorithm == "dense":
         return params
     return {**params, "compress_ratio": density, "min_entries": 0, **codec,
-            **({"wire": "compact"} if wire == "compact" else {})}
+            **({} if codec else {"wire": wire})}
 
 
 def gradients(cfg: dict[str, Any], rank: int, steps: int) -> list[torch.Tensor]:

@@ -12,7 +12,8 @@ loopback carried (inside the node), read from the kernel's counters around the t
 
 Modes (MODES): 'hsdp' (FSDP's HSDP, fp32; a dense all-reduce across the nodes), 'hsdp-bf16'
 (reduce_dtype bfloat16), 'hybrid-spardl', 'hybrid-spardl-compact', 'hybrid-topka' (hybrid_shard,
-density --density), 'flat' (fully_shard over all 4 ranks), 'flat-spardl' (flat_shard) and
+density --density; exact wire but for '-compact'), 'flat' (fully_shard over all 4 ranks),
+'flat-spardl' (flat_shard, exact wire) and
 'flat-bound' (flat, with a reduce-scatter that sends nothing: the time of the all-gathers and the
 compute alone, the bound flat-spardl can approach). Needs root (namespaces).
 """
@@ -78,10 +79,12 @@ def _build(mode: str, density: float, dnn: str):
                 module.set_custom_reduce_scatter(_FreeReduceScatter())
         return model, None
     if mode == "flat-spardl":
-        return model, fsdp.flat_shard(model, {**SPARDL, **params}, units)
-    chosen = {"hybrid-spardl": SPARDL, "hybrid-spardl-compact": {**SPARDL, "wire": "compact"},
+        return model, fsdp.flat_shard(model, {**SPARDL, "wire": "exact", **params}, units)
+    # The plain names keep the exact wire their recorded tables ran; '-compact' the default.
+    chosen = {"hybrid-spardl": {**SPARDL, "wire": "exact"},
+              "hybrid-spardl-compact": {**SPARDL, "wire": "compact"},
               "hybrid-topka": {"compressor": "topk", "memory": "global_residual",
-                               "communicator": "topka"}}[mode]
+                               "communicator": "topka", "wire": "exact"}}[mode]
     return model, fsdp.hybrid_shard(model, mesh2d, {**chosen, **params}, units)
 
 

@@ -4,7 +4,7 @@ the optimizer's name changed and nothing else (docs/guide/migrating.md shows the
     horovodrun -np 2 -H localhost:2 --gloo python examples/horovod_migration.py [--fp16-allreduce]
 
 Without a communicator, spardl_grace.DistributedOptimizer synchronises with SparDL at density
-0.01 (--fp16-allreduce: on the compact wire, bfloat16 values).
+0.01 on the compact wire, whose bfloat16 values already are what --fp16-allreduce asks for.
 """
 import argparse
 

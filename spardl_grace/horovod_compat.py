@@ -56,16 +56,13 @@ def compression_name(compression: Any) -> str:
     )
 
 
-def default_grace(compression: str) -> Synchronizer:
-    """The communicator for a script that names none: SparDL at density 0.01 (and
-    grace_from_params' default floor of entries) on the active backend, on the compact wire
-    (bfloat16 values) when Horovod's fp16 compression is asked."""
+def default_grace() -> Synchronizer:
+    """The communicator for a script that names none: SparDL at density 0.01 with
+    grace_from_params' defaults (the floor of entries, the compact wire, whose bfloat16 values
+    also meet Horovod's fp16 compression) on the active backend."""
     from .registry import grace_from_params
 
-    params = dict(DEFAULT_PARAMS)
-    if compression == "fp16":
-        params["wire"] = "compact"
-    return grace_from_params(params)
+    return grace_from_params(dict(DEFAULT_PARAMS))
 
 
 def check_compression(compression: str, grace: Synchronizer) -> None:

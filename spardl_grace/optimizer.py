@@ -381,8 +381,8 @@ def DistributedOptimizer(
     named_parameters=...), or grace=grc) are accepted as they are.
 
     grace: a communicator from grace_from_params(...); None: SparDL at density 0.01 with the
-        default floor of 2,048 entries a step (horovod_compat.DEFAULT_PARAMS) on the active
-        backend.
+        default floor of 2,048 entries a step on the compact wire (horovod_compat.DEFAULT_PARAMS
+        and grace_from_params' defaults) on the active backend.
     named_parameters: model.named_parameters(); names key the residuals in checkpoints.
     backward_passes_per_step: backward passes whose gradients are summed locally before one
         synchronisation.
@@ -418,7 +418,7 @@ def DistributedOptimizer(
     check_process_set(process_set)
     wire = compression_name(compression)
     if grace is None:
-        grace = default_grace(wire)
+        grace = default_grace()
     check_compression(wire, grace)
     before, after = scale_factors(op, gradient_predivide_factor, grace.world_size)
     if groups is not None or num_groups:

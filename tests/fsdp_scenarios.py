@@ -37,14 +37,15 @@ def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def dense_density_equals_native_hsdp(transport) -> dict:
-    """One backward on integer data: SparDL at density 1 across the replicas (hybrid_shard)
-    against FSDP's native HSDP (fully_shard over the 2-D mesh): each rank's gradient shards."""
+    """One backward on integer data: SparDL at density 1 on the exact wire across the replicas
+    (hybrid_shard) against FSDP's native HSDP (fully_shard over the 2-D mesh): each rank's
+    gradient shards."""
     from torch.distributed.fsdp import fully_shard
 
     from spardl_grace.fsdp import hybrid_shard
     mesh = _mesh()
     hybrid = _model(integer=True)
-    hybrid_shard(hybrid, mesh, {**SPARDL, "compress_ratio": 1.0})
+    hybrid_shard(hybrid, mesh, {**SPARDL, "compress_ratio": 1.0, "wire": "exact"})
     native = _model(integer=True)
     for layer in native:
         if any(True for _ in layer.parameters()):
@@ -158,7 +159,7 @@ def _flat_pair(integer: bool, **kwargs):
 
     from spardl_grace.fsdp import flat_shard
     flat = _model(integer=integer)
-    flat_shard(flat, {**SPARDL, "compress_ratio": 1.0}, **kwargs)
+    flat_shard(flat, {**SPARDL, "compress_ratio": 1.0, "wire": "exact"}, **kwargs)
     native = _model(integer=integer)
     for layer in native:
         if any(True for _ in layer.parameters()):

@@ -312,12 +312,15 @@ PEERS = ["dense", "topka", "topkdsa", "gtopk", "oktopk", "gaussiank"]
 PEER_CASES = [(0, 0.1), (1, 0.5), (37, 0.2), (1000, 0.05), (1000, 1.0)]
 
 
-def peer_params(comm: str, rho: float) -> dict:
+def peer_params(comm: str, rho: float, wire: str | None = None) -> dict:
+    """A peer's params at density `rho`, no floor, on the default wire or `wire`."""
     params = {"communicator": comm, "compress_ratio": rho}
     if comm == "dense":
         params.update(compressor="none")
     else:
         params.update(min_entries=0)  # the density as given, on these small tensors
+        if wire is not None:
+            params.update(wire=wire)
     if comm == "oktopk":
         params.update(oktopk_threshold_interval=2, oktopk_region_interval=3)
     return params

@@ -63,8 +63,8 @@ def test_checksum_is_refused_where_no_sparse_message_is_sent():
         run_local(1, lambda t: grace_from_params({**SPARDL, "checksum": 1}, transport=t))
 
 
-@pytest.mark.parametrize("config", ["identity + checksum", "deepreduce delta + fp16",
-                                    "deepreduce bloom + polyfit"])
+@pytest.mark.parametrize("config", ["identity + checksum", "compact + checksum",
+                                    "deepreduce delta + fp16", "deepreduce bloom + polyfit"])
 def test_every_flip_in_a_checksummed_payload_is_detected(config):
     result = bitflips.main(["--configs", config, "--trials", "8", "--seed", "3"])
     summary = result["summary"][config]

@@ -170,10 +170,11 @@ def test_sparse_allreduce_checkpoints_from_before_the_peer_bases_resume_bit_iden
     assert "compressor" in saved["states"][0]  # the old layout
 
     def fn(t):
-        # The code that saved them had no floor on the entries sent: min_entries 0 continues
-        # them as they were (the CHANGELOG tells users so).
+        # The code that saved them had no floor on the entries sent and sent the exact wire:
+        # min_entries 0 and wire 'exact' continue them as they were (the CHANGELOG says so).
         grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
-                                 "compress_ratio": 0.1, "min_entries": 0, **OLD_CONFIGS[comm]},
+                                 "compress_ratio": 0.1, "min_entries": 0, "wire": "exact",
+                                 **OLD_CONFIGS[comm]},
                                 transport=t)
         grc.load_state_dict(saved["states"][t.rank])
         g = torch.Generator().manual_seed(t.rank)

@@ -209,13 +209,29 @@ def test_the_compact_wire_is_not_the_exact_one():
     effect), by the rounding: later rounds select from rounded sums, so a near tie may go the
     other way, but the supports mostly agree and where both send, values agree to a few
     bfloat16 steps (2**-8 relative each)."""
-    exact = run_steps(4, {"communicator": "spardl", "compress_ratio": 0.05}, 1000, steps=1)
+    exact = run_steps(4, {"communicator": "spardl", "compress_ratio": 0.05, "wire": "exact"},
+                      1000, steps=1)
     small = run_steps(4, compact("spardl"), 1000, steps=1)
     a, b = exact[0][0]["result"], small[0][0]["result"]
     assert not torch.equal(a, b)
     both = (a != 0) & (b != 0)
     assert both.sum() >= 0.9 * (a != 0).sum()
     assert torch.allclose(a[both], b[both], rtol=2**-6, atol=0)
+
+
+@pytest.mark.parametrize("comm", SPARSE_ALLREDUCES)
+def test_the_default_wire_is_the_compact_one(comm):
+    """grace_from_params without 'wire' sends exactly what 'wire': 'compact' sends, bit for
+    bit and byte for byte, and the codec says so."""
+    params = compact(comm)
+    del params["wire"]
+    default = run_steps(3, params, 997, steps=2, counting=True)
+    explicit = run_steps(3, compact(comm), 997, steps=2, counting=True)
+    for mine, theirs in zip(default, explicit):
+        for a, b in zip(mine, theirs):
+            assert same_bits(a["result"], b["result"])
+            assert [m.bytes_sent for m in a["messages"]] == [m.bytes_sent for m in b["messages"]]
+    assert type(default[0][0]["grc"].codec).__name__ == "CompactCodec"
 
 
 def test_spardl_bytes_on_the_wire_match_the_formula():

@@ -25,9 +25,12 @@ from spardl_grace import DistributedOptimizer, grace_from_params, run_local
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda", 0)  # where the tests put tensors (one GPU)
-ALGORITHMS = [("spardl", {}), ("spardl", {"teams": 2}), ("spardl", {"teams": 4}),
-              *((peer, {}) for peer in scenarios.PEERS),
-              # the compact wire: packing and bfloat16 rounding on the GPU give the CPU's bits
+EXACT = {"wire": "exact"}
+ALGORITHMS = [("spardl", EXACT), ("spardl", {"teams": 2, **EXACT}),
+              ("spardl", {"teams": 4, **EXACT}),
+              *((peer, {} if peer == "dense" else EXACT) for peer in scenarios.PEERS),
+              # the compact wire (the default): packing and bfloat16 rounding on the GPU give
+              # the CPU's bits
               ("spardl", {"wire": "compact"}), ("spardl", {"teams": 2, "wire": "compact"}),
               *((peer, {"wire": "compact"}) for peer in scenarios.PEERS if peer != "dense")]
 

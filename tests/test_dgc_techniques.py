@@ -16,11 +16,11 @@ from spardl_grace import DistributedOptimizer, grace_from_params, run_local
 SPARSE = ["spardl", *(p for p in scenarios.PEERS if p != "dense")]
 
 
-def run_mc(size, comm, density, m, n, steps, clip=None, teams=1):
+def run_mc(size, comm, density, m, n, steps, clip=None, teams=1, wire=None):
     """Per rank, per step: old residual, old velocity, gradient, result, new residual and
-    velocity, with momentum correction m on `comm`."""
+    velocity, with momentum correction m on `comm` (on the default wire or `wire`)."""
     def fn(t):
-        params = {**scenarios.peer_params(comm, density), "memory": "global_residual",
+        params = {**scenarios.peer_params(comm, density, wire), "memory": "global_residual",
                   "compressor": "topk", "momentum_correction": m, "local_clip_norm": clip}
         if comm == "spardl":
             params["teams"] = teams
@@ -70,8 +70,9 @@ def test_momentum_correction_with_spardl_teams(teams):
 @pytest.mark.parametrize("comm", ["spardl", *scenarios.PEERS])
 def test_density_one_applies_every_velocity_and_keeps_none(comm):
     """At density 1 every entry is applied, so masking clears the whole velocity: DGC then
-    reduces to synchronous SGD without momentum (the documented composition)."""
-    per_rank = run_mc(4, comm, 1.0, 0.9, 300, steps=3)
+    reduces to synchronous SGD without momentum (the documented composition). On the exact
+    wire: the compact one sends bfloat16 values and keeps the rest in the residual."""
+    per_rank = run_mc(4, comm, 1.0, 0.9, 300, steps=3, wire="exact")
     for step in range(3):
         grads = sum(r[step]["grad"] for r in per_rank)
         assert torch.allclose(per_rank[0][step]["result"] * 4, grads, atol=1e-5)

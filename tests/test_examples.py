@@ -82,11 +82,13 @@ def test_checkpoint_example_resumes_bit_identically(tmp_path):
                                                           "checkpoint-rank1.pt"]
 
 
-def test_horovod_migration_with_fp16_sends_fewer_bytes():
-    """Horovod's --fp16-allreduce (Compression.fp16) puts SparDL on the compact wire."""
+def test_horovod_migration_runs_with_and_without_fp16():
+    """Horovod's --fp16-allreduce (Compression.fp16) is accepted and changes nothing: the
+    default communicator's compact wire already sends 16-bit values, so the bytes are the
+    same."""
     sent = {}
     for flag in ((), ("--fp16-allreduce",)):
         output = run_example("horovod-gloo", "horovod_migration.py", *flag)
         trained(output)
         sent[bool(flag)] = int(re.search(r"bytes sent per step: (\d+)", output)[1])
-    assert sent[True] < sent[False], sent
+    assert sent[True] == sent[False], sent

@@ -57,7 +57,8 @@ def test_gradient_predivide_factor_splits_the_average_as_horovod_does():
     ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "op != Average"),
     ({"gradient_predivide_factor": 0}, "gradient_predivide_factor must be > 0"),
     ({"compression": "topk"}, "Compression.none or Compression.fp16"),
-    ({"compression": hvd.Compression.fp16}, "'wire': 'compact'"),
+    ({"compression": hvd.Compression.fp16, "params": {**SPARDL, "wire": "exact"}},
+     "'wire': 'compact'"),
     ({"process_set": hvd.ProcessSet([0])}, "only the global process set"),
     ({"groups": 0}, "groups should be a positive integer"),
     ({"groups": [[torch.zeros(3)]]}, "not a parameter of the optimizer"),
@@ -158,7 +159,7 @@ class _Bag(torch.nn.Module):
 
 def _sparse_step(t, sparse_as_dense: bool):
     model = _Bag()
-    grc = grace_from_params({**SPARDL, "compress_ratio": 1.0}, transport=t)
+    grc = grace_from_params({**SPARDL, "compress_ratio": 1.0, "wire": "exact"}, transport=t)
     optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grc,
                                      named_parameters=model.named_parameters(),
                                      sparse_as_dense=sparse_as_dense)

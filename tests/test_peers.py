@@ -79,7 +79,7 @@ def test_dense_bytes_are_the_ring_allreduce_volume(size):
 def test_topka_bytes_are_2k_words_to_each_peer(comm, size):
     n, rho = 1000, 0.05
     k = math.floor(n * rho)
-    for records in run_steps(size, scenarios.peer_params(comm, rho), n, counting=True):
+    for records in run_steps(size, scenarios.peer_params(comm, rho, "exact"), n, counting=True):
         for rec in records:
             entries = rec["stats"]["gather_entries"]
             if comm == "topka":
@@ -92,7 +92,7 @@ def test_topkdsa_bytes_match_the_formula(size):
     n, rho = 1200, 0.05
     k = math.floor(n * rho)
     region = math.ceil(n / size)
-    for records in run_steps(size, scenarios.peer_params("topkdsa", rho), n, counting=True):
+    for records in run_steps(size, scenarios.peer_params("topkdsa", rho, "exact"), n, counting=True):
         for rec in records:
             stats = rec["stats"]
             # Reduce-scatter: our top-k entries outside our own region, 2 words each.
@@ -109,12 +109,13 @@ def test_topkdsa_lower_bound_with_identical_supports_and_fill_in(size):
     k = math.floor(n * rho)
     shared = torch.randn(n, generator=torch.Generator().manual_seed(3))
     grads = [[shared] * 2 for _ in range(size)]
-    per_rank = run_steps(size, scenarios.peer_params("topkdsa", rho), steps=1, grads=grads,
+    per_rank = run_steps(size, scenarios.peer_params("topkdsa", rho, "exact"), steps=1, grads=grads,
                          counting=True)
     words = sum(r[0]["stats"]["bytes_sent"] for r in per_rank) / 4 / size
     assert words == pytest.approx(4 * k * (size - 1) / size)  # every support is the same
     # At density 0.5 the summed supports fill the regions: the all-gather goes dense.
-    per_rank = run_steps(size, scenarios.peer_params("topkdsa", 0.5), n, steps=1, counting=True)
+    per_rank = run_steps(size, scenarios.peer_params("topkdsa", 0.5, "exact"), n, steps=1,
+                         counting=True)
     region = math.ceil(n / size)
     assert all(r[0]["stats"]["gather_payload_bytes"] == 4 * region * (size - 1) for r in per_rank)
 
@@ -127,7 +128,7 @@ def test_gtopk_bytes_match_the_formula_for_any_p(size):
     rounds = p.bit_length() - 1
     extra = size - p
     final_message = 8 * k + math.ceil(k / 8) + frame_overhead(2)
-    for rank, records in enumerate(run_steps(size, scenarios.peer_params("gtopk", rho), n,
+    for rank, records in enumerate(run_steps(size, scenarios.peer_params("gtopk", rho, "exact"), n,
                                              counting=True)):
         for rec in records:
             if rank >= p:
@@ -220,7 +221,8 @@ def test_gtopk_selects_the_global_top_k_when_supports_are_shared(size):
     n, rho = 500, 0.04
     k = math.floor(n * rho)
     shared = torch.randn(n, generator=torch.Generator().manual_seed(11))
-    per_rank = run_steps(size, {"communicator": "gtopk", "compress_ratio": rho}, steps=1,
+    per_rank = run_steps(size, {"communicator": "gtopk", "compress_ratio": rho, "wire": "exact"},
+                         steps=1,
                          grads=[[shared] for _ in range(size)])
     result = per_rank[0][0]["result"]
     expected = torch.zeros(n)
@@ -236,7 +238,8 @@ def test_oktopk_exact_thresholds_select_exactly_k():
     (random floats have no ties)."""
     n, rho, size = 2000, 0.03, 4
     k = math.floor(n * rho)
-    params = {"communicator": "oktopk", "compress_ratio": rho, "oktopk_threshold_interval": 1}
+    params = {"communicator": "oktopk", "compress_ratio": rho, "oktopk_threshold_interval": 1,
+              "wire": "exact"}
     for step in range(4):
         counts = [torch.count_nonzero(r[step]["result"]) for r in run_steps(size, params, n, steps=4)]
         assert all(c == k for c in counts)

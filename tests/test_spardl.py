@@ -76,8 +76,9 @@ def test_bruck_rounds_deliver_every_piece(g):
 
 
 # ------------------------------------------------------------------------- running SparDL
-def run_spardl(size, n, rho, teams=1, steps=3, integer_valued=False, counting=False):
-    params = {"communicator": "spardl", "compress_ratio": rho, "teams": teams}
+def run_spardl(size, n, rho, teams=1, steps=3, integer_valued=False, counting=False,
+               wire="compact"):
+    params = {"communicator": "spardl", "compress_ratio": rho, "teams": teams, "wire": wire}
     return run_steps(size, params, n, steps, integer_valued, counting)
 
 
@@ -109,16 +110,18 @@ def test_the_residual_is_exactly_the_compensated_gradient_wherever_nothing_was_s
             assert torch.equal(rec["residual"][untouched], rec["compensated"][untouched])
 
 
+@pytest.mark.parametrize("wire", ["exact", "compact"])
 @pytest.mark.parametrize("size,teams", [(1, 1), (3, 1), (4, 2), (6, 3), (5, 5), (8, 1)])
-def test_density_one_is_exactly_the_dense_average(size, teams):
-    per_rank = run_spardl(size, 301, 1.0, teams, integer_valued=True)
+def test_density_one_is_exactly_the_dense_average(size, teams, wire):
+    """Small integers are bfloat16 values too, so the compact wire sends them unrounded."""
+    per_rank = run_spardl(size, 301, 1.0, teams, integer_valued=True, wire=wire)
     check_exact_dense_average(per_rank, size)
 
 
 @pytest.mark.parametrize("size", [2, 3, 6, 7])
 def test_srs_messages_carry_exactly_kb_entries_and_bytes_match_the_formula(size):
     n, rho = 1000, 0.05
-    per_rank = run_spardl(size, n, rho, counting=True)
+    per_rank = run_spardl(size, n, rho, counting=True, wire="exact")
     block = math.ceil(n / size)
     kb = math.floor(block * rho)
     for records in per_rank:
@@ -138,7 +141,7 @@ def test_srs_messages_carry_exactly_kb_entries_and_bytes_match_the_formula(size)
 @pytest.mark.parametrize("size,teams", [(4, 2), (6, 2), (6, 3), (8, 4), (6, 6)])
 def test_bytes_with_teams_match_the_formula(size, teams):
     n, rho = 1200, 0.05
-    per_rank = run_spardl(size, n, rho, teams, steps=4, counting=True)
+    per_rank = run_spardl(size, n, rho, teams, steps=4, counting=True, wire="exact")
     m = size // teams
     block = math.ceil(n / m)
     kb = math.floor(block * rho)
@@ -193,7 +196,7 @@ def test_grace_dist_loop_with_spardl_matches_dense_at_density_one():
     def fn(t, comm):
         params = {"communicator": comm} if comm == "allreduce" else {
             "compressor": "topk", "memory": "global_residual", "communicator": "spardl",
-            "compress_ratio": 1.0, "teams": 2}
+            "compress_ratio": 1.0, "teams": 2, "wire": "exact"}
         return scenarios.train_tiny(grace_from_params(params, transport=t), t.rank)
     dense, sparse = run_local(4, fn, "allreduce")[0], run_local(4, fn, "spardl")[0]
     for a, b in zip(dense, sparse):

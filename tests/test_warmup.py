@@ -164,8 +164,9 @@ def test_spardl_sends_the_floors_entries_in_its_blocks():
     """SparDL at density 0.01 on 4,000 entries over 4 workers: 10 entries per block of 1,000
     without a floor; with min_entries 400, 100 per block (the density rounds per block), and
     the wire carries the cost formula's 8 bytes x 2k(P-1)/P more for the 360 more entries."""
-    plain = run_steps(4, {"communicator": "spardl", "compress_ratio": 0.01}, 4000, steps=2)
-    floored = run_steps(4, {"communicator": "spardl", "compress_ratio": 0.01,
+    plain = run_steps(4, {"communicator": "spardl", "compress_ratio": 0.01, "wire": "exact"},
+                      4000, steps=2)
+    floored = run_steps(4, {"communicator": "spardl", "compress_ratio": 0.01, "wire": "exact",
                             "min_entries": 400}, 4000, steps=2)
     check_consistent_and_conserving(floored, 4)
     grc = floored[0][0]["grc"]
