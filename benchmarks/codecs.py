@@ -25,7 +25,8 @@ from spardl_grace import run_local
 from spardl_grace.fusion import flatten_grads
 
 CONFIGS = {
-    "identity": {},
+    "identity": {"wire": "exact"},  # uncoded: the papers' int32 index and float32 value
+    "compact wire (the default)": {"wire": "compact"},
     "delta + none": {"deepreduce": "index", "index": "delta"},
     "rle + none": {"deepreduce": "index", "index": "rle"},
     "huffman + none": {"deepreduce": "index", "index": "huffman"},
