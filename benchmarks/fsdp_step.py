@@ -30,7 +30,9 @@ from typing import Any
 
 MODES = ("hsdp", "hsdp-bf16", "hybrid-spardl", "hybrid-spardl-compact", "hybrid-topka", "flat",
          "flat-spardl", "flat-bound")
-SPARDL = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl"}
+# The exact wire, as the recorded tables ran; 'hybrid-spardl-compact' sends the library's default.
+SPARDL = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
+          "wire": "exact"}
 
 
 def _counter(interface: str) -> int:
@@ -79,9 +81,8 @@ def _build(mode: str, density: float, dnn: str):
                 module.set_custom_reduce_scatter(_FreeReduceScatter())
         return model, None
     if mode == "flat-spardl":
-        return model, fsdp.flat_shard(model, {**SPARDL, "wire": "exact", **params}, units)
-    # The plain names keep the exact wire their recorded tables ran; '-compact' the default.
-    chosen = {"hybrid-spardl": {**SPARDL, "wire": "exact"},
+        return model, fsdp.flat_shard(model, {**SPARDL, **params}, units)
+    chosen = {"hybrid-spardl": SPARDL,
               "hybrid-spardl-compact": {**SPARDL, "wire": "compact"},
               "hybrid-topka": {"compressor": "topk", "memory": "global_residual",
                                "communicator": "topka", "wire": "exact"}}[mode]
