@@ -252,6 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = {k: v for k, v in vars(args).items() if k != "json"}
     return {"machine": machine(), "config": config, "numel": ranks[0]["numel"],
             "link": ranks[0]["link"], "probes": ranks[0]["probes"],
+            "probes_slowest": ranks[0]["probes_slowest"],
             "algorithms": summarise(ranks, args)}
 
 

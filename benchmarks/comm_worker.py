@@ -144,12 +144,16 @@ def run_probe(transport: Transport, kind: str, nbytes: int, name: str) -> int:
 
 
 def probe_ops(transport: Transport, sizes: tuple[int, ...] = PROBE_BYTES,
-              repeat: int = 3, idle_s: float = 0.0) -> dict[str, list[list[float]]]:
+              repeat: int = 3, idle_s: float = 0.0
+              ) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
     """Seconds of one op of every kind (costmodel.KINDS) at this P for each size in `sizes` (in
-    the cost model's measure of that kind; see run_probe): per kind [nbytes, seconds] pairs,
-    the median over `repeat` runs of the fastest rank's time (the same convention as comm_s),
-    each run after a barrier and `idle_s` seconds of idling (replay_idle_s: the fit assumes a
-    full bucket at a probe's start). Every rank returns the same figures."""
+    the cost model's measure of that kind; see run_probe), as (fastest, slowest): per kind
+    [nbytes, seconds] pairs, the median over `repeat` runs of the fastest rank's time (the
+    convention of comm_s) and of the slowest rank's (the one a step waits for: the rank that
+    leaves the barrier last finishes the chain soonest, so the fastest rank's time leaves out
+    the skew that every chained op passes on). Each run after a barrier and `idle_s` seconds
+    of idling (replay_idle_s: the fit assumes a full bucket at a probe's start). Every rank
+    returns the same figures."""
     samples = []
     for kind in KINDS:
         for nbytes in sizes:
@@ -160,10 +164,15 @@ def probe_ops(transport: Transport, sizes: tuple[int, ...] = PROBE_BYTES,
                 start = time.perf_counter()
                 ops = run_probe(transport, kind, nbytes, name)
                 samples.append((time.perf_counter() - start) / ops)
-    every = transport.allgather(torch.tensor(samples, dtype=torch.float64), "probe.times")
-    fastest = torch.stack(every).min(dim=0).values.view(len(KINDS), len(sizes), repeat)
-    return {kind: [[nbytes, float(fastest[k, j].median())] for j, nbytes in enumerate(sizes)]
-            for k, kind in enumerate(KINDS)}
+    every = torch.stack(transport.allgather(torch.tensor(samples, dtype=torch.float64), "probe.times"))
+    shape = (len(KINDS), len(sizes), repeat)
+
+    def medians(per_run: torch.Tensor) -> dict[str, list[list[float]]]:
+        times = per_run.view(shape)
+        return {kind: [[nbytes, float(times[k, j].median())] for j, nbytes in enumerate(sizes)]
+                for k, kind in enumerate(KINDS)}
+
+    return medians(every.min(dim=0).values), medians(every.max(dim=0).values)
 
 
 def replay(transport: Transport, messages: list[Message]) -> None:
@@ -354,10 +363,11 @@ def main(config_path: str) -> None:
     if transport.size != cfg["workers"]:
         raise SystemExit(f"launched {transport.size} ranks, the config says {cfg['workers']}")
     link = measure_link(transport)
-    probes = probe_ops(transport, repeat=cfg["probe_repeat"], idle_s=replay_idle_s(cfg["bandwidth"]))
+    probes, probes_slowest = probe_ops(transport, repeat=cfg["probe_repeat"],
+                                       idle_s=replay_idle_s(cfg["bandwidth"]))
     grads = gradients(cfg, rank, cfg["warmup"] + cfg["repeat"])
     out = {"rank": rank, "numel": grads[0].numel(), "link": link, "probes": probes,
-           "algorithms": {}}
+           "probes_slowest": probes_slowest, "algorithms": {}}
     for name in cfg["algorithms"]:
         timer = time_torch_hook if name in TORCH_HOOKS else \
             time_horovod if name in HOROVOD else time_algorithm

@@ -38,10 +38,14 @@ from spardl_grace.transport.counting import Message
 def measured_network(result: dict[str, Any]) -> Network:
     """A benchmarks.comm run's network: its link's alpha and beta, with a pair per op kind
     fitted to the run's probes (all-reduces as gloo's ring) and, on an emulated network, the
-    tbf bucket of its links as the burst. Runs recorded before the probes have the link's pair
-    only."""
+    tbf bucket of its links as the burst. The probes are the slowest rank's where the run
+    recorded them (`probes_slowest`): a step ends with its slowest rank, the rank the
+    validation compares with; the fastest rank's time per op leaves out the skew between
+    ranks that each op of a chain passes on, so fits to it predicted chains of many small
+    exchanges (SparDL's) too fast. Older runs have the fastest rank's only; runs recorded
+    before the probes have the link's pair only."""
     link, size = result["link"], result["config"]["workers"]
-    probes = result.get("probes")
+    probes = result.get("probes_slowest") or result.get("probes")
     if not probes:
         return Network(alpha=link["alpha"], beta=link["beta"])
     rate = result["config"].get("bandwidth")

@@ -236,6 +236,25 @@ def test_fit_kind_recovers_alpha_and_beta_through_a_shapers_bucket(kind, size, a
     assert costmodel.fit_kind(samples, burst, beta * line) == pytest.approx((alpha, beta), rel=1e-6)
 
 
+def test_a_runs_network_is_fitted_to_its_slowest_ranks_probes_where_recorded():
+    """A step ends with its slowest rank: the per-kind fit takes the slowest rank's probes when
+    the run has them, the fastest rank's in runs recorded before."""
+    size, sizes = 4, (256, 1 << 16, 1 << 20, 16 << 20)
+
+    def probes(net: Network) -> dict:
+        return {kind: [[n, costmodel.op_seconds(costmodel.probe_op(kind, n, size), 0, size, net)]
+                       for n in sizes] for kind in costmodel.KINDS}
+
+    fast, slow = Network(1e-3, 1e-8, allreduce="ring"), Network(3e-3, 2e-8, allreduce="ring")
+    run = {"config": {"workers": size, "bandwidth": None}, "link": {"alpha": 1e-3, "beta": 1e-8},
+           "probes": probes(fast), "probes_slowest": probes(slow)}
+    for kind in costmodel.KINDS:
+        assert simulate.measured_network(run).params(kind) == pytest.approx((3e-3, 2e-8), rel=1e-6)
+    del run["probes_slowest"]
+    for kind in costmodel.KINDS:
+        assert simulate.measured_network(run).params(kind) == pytest.approx((1e-3, 1e-8), rel=1e-6)
+
+
 def test_fit_kind_keeps_both_parameters_non_negative():
     op_small, op_big = costmodel.probe_op("p2p", 4, 2), costmodel.probe_op("p2p", 1 << 20, 2)
     # The large probe faster than the small one: no positive slope fits, latency only.
@@ -299,6 +318,12 @@ def test_comm_benchmark_runs_every_algorithm_on_real_processes(tmp_path):
     for kind, samples in result["probes"].items():
         assert [nbytes for nbytes, _ in samples] == [256, 1 << 16, 1 << 20, 16 << 20], kind
         assert all(seconds > 0 for _, seconds in samples), kind
+    # The slowest rank's probes, from the same runs: each at least the fastest rank's.
+    assert list(result["probes_slowest"]) == list(costmodel.KINDS)
+    for kind, samples in result["probes_slowest"].items():
+        fastest = result["probes"][kind]
+        assert [nbytes for nbytes, _ in samples] == [nbytes for nbytes, _ in fastest], kind
+        assert all(slow >= fast for (_, slow), (_, fast) in zip(samples, fastest)), kind
 
 
 def test_comm_benchmark_on_a_real_model_gradient(tmp_path):
