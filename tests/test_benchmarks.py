@@ -781,3 +781,16 @@ def test_replays_and_probes_on_an_emulated_link_start_with_a_full_bucket():
     assert replay_idle_s("100mbit") == pytest.approx(0.02)
     assert replay_idle_s("1gbit") == pytest.approx(0.02)
     assert replay_idle_s("10mbit") == pytest.approx(2 * 64 * 1024 * 8 / 1e7)
+
+
+def test_oversubscribe_times_exchanges_with_one_thread_and_with_several(tmp_path):
+    from benchmarks import oversubscribe
+
+    out = tmp_path / "o.json"
+    result = oversubscribe.main(["--ranks", "2", "--threads", "2", "--repeat", "3",
+                                 "--sizes", "1000,40000", "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert set(result["threads"]) == {"1", "2"}
+    for cells in result["threads"].values():
+        assert set(cells) == {"1000", "40000"}
+        assert all(0 < c["median_s"] <= c["p90_s"] for c in cells.values())

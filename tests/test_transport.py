@@ -1,10 +1,12 @@
 """Transports: variable sizes, empty tensors, several dtypes, P not a power of two, failures."""
 from __future__ import annotations
 
+import ast
 import multiprocessing as mp
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 import scenarios
 from conftest import ROOT, _env, worker_command
+from spardl_grace.transport.threads import cores, local_size, oversubscription
 from spardl_grace.transport import (CountingTransport, TransportError, TransportTimeout,
                                     default_transport, run_local)
 
@@ -269,3 +272,46 @@ def test_a_killed_rank_ends_the_run_on_every_backend(backend, tmp_path):
         got = torch.load(tmp_path / "rank0.pt", weights_only=True)
         assert got["raised"] in ("TransportTimeout", "TransportError"), got["raised"]
         assert float(got["seconds"]) < 5.0 + 10.0
+
+
+def test_oversubscription_is_named_only_when_threads_outnumber_the_cores():
+    assert oversubscription(None, 8, 2) is None  # no launcher says how many ranks share the host
+    assert oversubscription(4, 1, 2) is None  # one thread each: nothing spins
+    assert oversubscription(2, 8, 16) is None
+    message = oversubscription(4, 2, 2)
+    assert "4 ranks on this host with 2 torch threads each exceed its 2 cores" in message
+    assert "OMP_NUM_THREADS=1" in message and "torch.set_num_threads(1)" in message
+    assert "OMP_NUM_THREADS=2" in oversubscription(4, 8, 8)
+    for key in ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE"):
+        assert local_size({key: "3"}) == 3, key
+    assert local_size({}) is None
+
+
+def _default_transport_warnings(tmp_path, threads: int, ranks_here: int) -> list[str]:
+    """The RuntimeWarnings of two default_transport() calls in a fresh process on a real
+    one-rank gloo group, with `threads` torch threads and the launcher saying `ranks_here`
+    ranks share the host."""
+    script = f"""
+import warnings, torch, torch.distributed as dist
+torch.set_num_threads({threads})
+dist.init_process_group("gloo", init_method="file://{tmp_path}/init", rank=0, world_size=1)
+from spardl_grace.transport import default_transport
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    default_transport(); default_transport()
+print(repr([str(w.message) for w in caught if w.category is RuntimeWarning]))
+dist.destroy_process_group()
+"""
+    env = dict(_env(), LOCAL_WORLD_SIZE=str(ranks_here))
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_default_transport_warns_once_when_the_hosts_ranks_outnumber_its_cores(tmp_path):
+    crowded = _default_transport_warnings(tmp_path, threads=2, ranks_here=2 * cores())
+    assert len(crowded) == 1 and "torch threads each exceed its" in crowded[0]
+    (tmp_path / "one").mkdir()
+    assert _default_transport_warnings(tmp_path / "one", threads=1, ranks_here=2 * cores()) == []

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from .base import DEFAULT_TIMEOUT_S, Transport, TransportError, TransportTimeout
 from .counting import CountingTransport, Message
 from .local import LocalTransport, PeerFailure, run_local
+from .threads import warn_if_oversubscribed
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -49,7 +50,14 @@ def under_mpirun(environ: Mapping[str, str] = os.environ) -> bool:
 def default_transport(timeout: float = DEFAULT_TIMEOUT_S) -> Transport:
     """The transport of the active backend: Horovod if initialised, else an initialised
     torch.distributed, else MPI when running under mpirun. Raises TransportError saying how to
-    start one when none is active."""
+    start one when none is active. Warns (RuntimeWarning, once) when the launcher's ranks on
+    this host times their torch threads exceed its cores (threads.oversubscription)."""
+    transport = _active_transport(timeout)
+    warn_if_oversubscribed()
+    return transport
+
+
+def _active_transport(timeout: float) -> Transport:
     if _horovod_initialised():
         from .horovod import HorovodTransport
 
