@@ -3,8 +3,8 @@
 torch runs every op over more than 32,768 elements (its grain for parallel loops) on its
 intra-op threads, and those threads spin before they sleep. When the ranks on one host each
 keep torch's default (one thread per core) they take turns on the cores, and such an op waits
-for its threads to be scheduled: on 2 cores with 4 ranks of 2 threads, building a 40 KB message
-took milliseconds instead of microseconds (benchmarks.oversubscribe). torchrun sets
+for its threads to be scheduled: on 2 cores with 4 ranks of 2 threads, a 40 KB exchange took
+20.6 ms against 0.85 ms with one thread each (benchmarks.oversubscribe). torchrun sets
 OMP_NUM_THREADS=1 for several ranks a host; mpirun and horovodrun leave it to the user.
 """
 
@@ -48,7 +48,7 @@ def oversubscription(ranks: int | None, threads: int, available: int) -> str | N
     return (
         f"{ranks} ranks on this host with {threads} torch threads each exceed its "
         f"{available} cores: every op over 32,768 elements (messages among them) then waits "
-        f"for its threads to be scheduled, milliseconds instead of microseconds. Set "
+        f"for its threads to be scheduled (a 40 KB exchange: 20 ms instead of 1). Set "
         f"OMP_NUM_THREADS={share} for each rank (torchrun does so itself) or call "
         f"torch.set_num_threads({share}) before training."
     )
@@ -58,7 +58,9 @@ def warn_if_oversubscribed(environ: Mapping[str, str] = os.environ) -> None:
     """Warn once per process when this host's ranks times their torch threads exceed its
     cores (see oversubscription)."""
     global _warned
+    if _warned:
+        return
     message = oversubscription(local_size(environ), torch.get_num_threads(), cores())
-    if message is not None and not _warned:
+    if message is not None:
         _warned = True
         warnings.warn(message, RuntimeWarning, stacklevel=3)
