@@ -33,12 +33,18 @@ TECHNIQUES = {
     "warmup1": ["--density-warmup", "1", "--density-warmup-start", "0.25"],
     "warmup16": ["--density-warmup", "0.25", "--density-warmup-start", "0.0625"],
     "warmup2ep": ["--density-warmup", "2", "--density-warmup-start", "0.25"],  # DGC's stages, longer
+    # PowerSGD's dense start (its first 10% of steps, 0.8 epoch of the 8-epoch recipe) as a
+    # warm-up: dense, then 1/4, ... in equal stages over 0.8 epoch, then the target
+    "warmupdense": ["--density-warmup", "0.8", "--density-warmup-start", "1"],
     "lrwarmup": ["--warmup-epochs", "0.25"],
     "mc": ["--momentum-correction", "0.9"],
     "clip": ["--local-clip-norm", "5"],
     "compact": ["--wire", "compact"],
     "exact": ["--wire", "exact"],
     "floor": ["--min-entries", str(DEFAULT_MIN_ENTRIES)],  # the library's default floor
+    # per-layer selection: a cap below any tensor's size puts every parameter in its own bucket,
+    # so each selects its own top entries (and the floor, with "floor", holds per tensor)
+    "layer": ["--bucket-cap-mb", "1e-9"],
     "hybrid": ["--fsdp", "hybrid"],  # FSDP2 inside 2 "nodes", the sparse all-reduce between
     "flat": ["--fsdp", "flat"],  # FSDP2 over every rank, SparDL's reduce-scatter
 }

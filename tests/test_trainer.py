@@ -723,6 +723,14 @@ def test_ablation_configs_for_the_accuracy_per_byte_front():
         "--density", "0.003", "--compression", "--compressor", "spardl", "--min-entries", "0",
         "--density-warmup", "2", "--density-warmup-start", "0.25", "--wire", "compact"]
     assert ablation.config_options("topka@0.003+exact")[-2:] == ["--wire", "exact"]
+    # The fixes tried on the front: PowerSGD's dense start as a warm-up, and per-layer selection
+    assert ablation.config_options("spardl@0.1+warmupdense")[-4:] == [
+        "--density-warmup", "0.8", "--density-warmup-start", "1"]
+    from spardl_grace.optimizer import plan_buckets
+    layer = ablation.config_options("spardl@0.1+layer+floor")
+    cap = float(layer[layer.index("--bucket-cap-mb") + 1])
+    named = list(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Conv2d(2, 2, 1)).named_parameters())
+    assert [[n for n, _ in b] for b in plan_buckets(named, cap)] == [[n] for n, _ in reversed(named)]
     assert ablation.config_options("powersgd4", 3744) == [
         "--compression", "--compressor", "torch_powersgd", "--density-warmup", "0",
         "--powersgd-rank", "4", "--powersgd-start-iter", "374"]
