@@ -10,14 +10,15 @@ from experiments import compare
 
 
 def test_main_job_quick_compares_ddp_powersgd_and_spardl(tmp_path):
-    """The README's main job in its CI size: torch's DDP, torch's PowerSGD hook and SparDL on
-    the emulated network (loopback where namespaces cannot be made), twice each with seeds 0
-    and 1 in turns, accuracy against training time, a plot with bands and a verdict."""
+    """The README's main job in its CI size: torch's DDP in fp32 and with its fp16 hook, torch's
+    PowerSGD hook and SparDL on the emulated network (loopback where namespaces cannot be
+    made), twice each with seeds 0 and 1 in turns, accuracy against training time, a plot with
+    bands and a verdict."""
     runs = compare.main(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert [(r["algorithm"], r["seed"]) for r in saved["results"]] == [
-        ("ddp", 0), ("powersgd4", 0), ("spardl", 0), ("ddp", 1), ("powersgd4", 1), ("spardl", 1)]
-    assert [g["algorithm"] for g in saved["summary"]] == ["ddp", "powersgd4", "spardl"]
+    order = ["ddp", "fp16", "powersgd4", "spardl"]
+    assert [(r["algorithm"], r["seed"]) for r in saved["results"]] == [(a, s) for s in (0, 1) for a in order]
+    assert [g["algorithm"] for g in saved["summary"]] == order
     assert all(r["identical_replicas"] for r in runs)
     assert all(r["curve"] and r["steps"] <= 12 for r in runs)
     # A run that reached the target stopped at that evaluation; one that did not ran 12 steps.
@@ -29,6 +30,7 @@ def test_main_job_quick_compares_ddp_powersgd_and_spardl(tmp_path):
     spardl_bytes = first["spardl"]["bytes_per_step_final"]
     assert 11_136 <= spardl_bytes < 0.125 * first["ddp"]["bytes_per_step_final"]
     assert first["powersgd4"]["bytes_per_step_final"] < first["ddp"]["bytes_per_step_final"]
+    assert first["fp16"]["bytes_per_step_final"] == first["ddp"]["bytes_per_step_final"] / 2
     assert saved["verdict"] == compare.verdict(compare.group(runs), 0.3)
     assert (tmp_path / "accuracy_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
