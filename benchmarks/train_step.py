@@ -96,12 +96,13 @@ def _env() -> dict[str, str]:
                 PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
-def _trainer(args: argparse.Namespace, out: Path, workers: int, options: list[str]) -> list[str]:
+def _trainer(args: argparse.Namespace, out: Path, workers: int, options: list[str],
+             eval_every: int | None = None) -> list[str]:
     return [sys.executable, "-m", "experiments.main_trainer", "--dnn", args.dnn,
             "--dataset", "fashion-mnist", "--nworkers", str(workers),
             "--batch-size", str(args.batch_size), "--density", str(args.density),
             "--max-epochs", "1", "--max-steps", str(args.steps), "--test-samples", "100",
-            "--eval-every", str(args.skip),
+            "--eval-every", str(eval_every or args.skip),
             "--powersgd-start-iter", "2", "--device", args.device, "--out", str(out), *options]
 
 
@@ -133,15 +134,16 @@ def step_times(out: Path, skip: int) -> list[float]:
 
 def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Path) -> dict[str, Any]:
     options = algorithm_options(name)
-    cmd = _trainer(args, out, args.workers, options)
+    # Post-local SGD starts after period - 1 dense steps and then averages once a period: its
+    # step is the mean over the whole periods after its start, and its bytes those of an
+    # evaluation window of one period (every such window holds exactly one averaging).
+    period = int(options[options.index("--postlocal-period") + 1]) \
+        if "--postlocal-period" in options else 0
+    cmd = _trainer(args, out, args.workers, options, eval_every=period or None)
     if args.launcher == "horovodrun":
         under_horovodrun(cmd[1:], args.workers, rate)
     else:
         run_all([cmd + (["--bandwidth", rate] if rate else [])], [_env()], ROOT)
-    # Post-local SGD starts after period - 1 dense steps and then averages once a period: its
-    # step is the mean over the whole periods after its start.
-    period = int(options[options.index("--postlocal-period") + 1]) \
-        if "--postlocal-period" in options else 0
     times = step_times(out, max(args.skip, period - 1))
     if period:
         whole = len(times) // period * period
@@ -149,11 +151,24 @@ def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Pa
             raise ValueError(f"{name}: --steps must reach {2 * period - 1} (its start, "
                              f"{period - 1}, plus one period)")
         times = [statistics.fmean(times[-whole:])]
-    # The last evaluation window lies after the skipped steps (PowerSGD's dense start).
-    payload = read_log(out)["eval"][-1]["bytes_sent_per_step"]
+    payload = _payload(read_log(out)["eval"], period)
     wire_s = payload * 8 / rate_bits_per_s(rate) if rate else None
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
             "bytes_per_step": payload, "wire_s_of_bytes": wire_s}
+
+
+def _payload(evals: list[dict[str, Any]], period: int) -> float:
+    """Bytes per step of the last evaluation window, which lies after the skipped steps
+    (PowerSGD's dense start); with post-local SGD's `period`, of the last window of one whole
+    period after its start (the run's last window may be shorter and hold no averaging)."""
+    if not period:
+        return evals[-1]["bytes_sent_per_step"]
+    whole = [e for before, e in zip(evals, evals[1:])
+             if e["step"] - before["step"] == period and before["step"] >= period - 1]
+    if not whole:
+        raise ValueError(f"post-local SGD every {period} steps: --steps must reach "
+                         f"{2 * period} for a whole period's window after its start")
+    return whole[-1]["bytes_sent_per_step"]
 
 
 def under_horovodrun(script: list[str], workers: int, rate: str | None) -> None:

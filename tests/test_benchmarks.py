@@ -704,6 +704,12 @@ def test_training_step_benchmark_takes_the_fronts_configs(tmp_path):
     assert 0 < rows["spardl@0.05+warmup16+compact"]["bytes_per_step"] < 0.1 * 4 * n
     # one value: the mean over the two periods after post-local SGD's start
     assert rows["postlocal4"]["step_s"] == rows["postlocal4"]["step_s_min"] > 0
+    # and its bytes: one averaging of the parameters (a dense all-reduce) per period of 4 steps
+    from spardl_grace.transport.counting import ring_allreduce_bytes
+    assert rows["postlocal4"]["bytes_per_step"] == ring_allreduce_bytes(4 * n, 2) / 4
+    with pytest.raises(ValueError, match="--steps must reach 8"):
+        train_step._payload([{"step": 4, "bytes_sent_per_step": 0.0},
+                             {"step": 7, "bytes_sent_per_step": 0.0}], 4)
 
 
 def test_training_step_benchmark_under_horovodrun(capsys):
