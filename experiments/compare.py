@@ -1,8 +1,8 @@
 """The README's main job: time to accuracy on an emulated slow network. 4 workers train MnistCNN
 (Keras's MNIST CNN, 1.2M parameters) on Fashion-MNIST with PyTorch's DDP (fp32, and with its
 fp16 compression hook, the dense baseline users run on slow links), PyTorch's own PowerSGD hook
-and SparDL on links shaped to 100 Mbit/s, --repeats times each (seeds --seed,
---seed + 1, ...; the algorithms take turns, so that a machine's drift falls on all alike). A run
+and SparDL on links shaped to 100 Mbit/s, --repeats times each (seeds --seed, --seed + 1, ...;
+the algorithms take turns, so that a machine's drift falls on all alike). A run
 stops at the evaluation that reaches --target-accuracy, or after --time-budget seconds of
 training. The verdict names the algorithm with the lowest median time to the target only when
 its range (fastest to slowest run) lies wholly below the next one's; otherwise it says they are
