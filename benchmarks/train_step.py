@@ -148,8 +148,9 @@ def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Pa
     if period:
         whole = len(times) // period * period
         if whole == 0:
-            raise ValueError(f"{name}: --steps must reach {2 * period} (its start, "
-                             f"{period - 1}, then a whole period's evaluation window)")
+            raise ValueError(f"{name}: --steps must reach {max(args.skip, period) + period} "
+                             f"(the skipped steps or its start, {period - 1}, then a whole "
+                             f"period timed and counted)")
         times = [statistics.fmean(times[-whole:])]
     payload = _payload(read_log(out)["eval"], period)
     wire_s = payload * 8 / rate_bits_per_s(rate) if rate else None
