@@ -11,8 +11,10 @@ and post-local SGD's after their start).
 
 The verdict is the issue's test of dominance: for every PowerSGD point, is there a SparDL point
 that sends no more bytes per step (whole run) with at least its mean accuracy? Configs with
-fewer seeds than the most any config has are marked, and no verdict is final until every
-config has them all.
+fewer seeds than the most any config has are marked. The verdict is final once the rows it
+rests on have them all: every PowerSGD point, and then, if SparDL dominates, one dominating
+SparDL point per PowerSGD point; if it does not, every SparDL point (any of them could still
+come to dominate). Other configs (dense, DDP's fp16 hook, post-local SGD) do not enter it.
 
 With --step-times (a benchmarks.train_step JSON whose algorithms are these configs; 'dense'
 is looked up as 'ddp', what a user runs) it adds the time to accuracy at each of its link
@@ -137,6 +139,18 @@ def dominance(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for p in rows if p["family"] == "powersgd"]
 
 
+def verdict_final(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> bool:
+    """Whether more seeds of the configs lacking some could change the verdict (see the
+    module docstring): False while a row the verdict rests on has fewer seeds than the most."""
+    most = max(len(r["seeds"]) for r in rows)
+    complete = {r["config"] for r in rows if len(r["seeds"]) == most}
+    if any(r["family"] == "powersgd" and r["config"] not in complete for r in rows):
+        return False
+    if all(v["dominated_by"] for v in verdicts):
+        return all(complete.intersection(v["dominated_by"]) for v in verdicts)
+    return all(r["config"] in complete for r in rows if r["family"] == "spardl")
+
+
 def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]],
              provenance: str | None = None) -> str:
     most = max(len(r["seeds"]) for r in rows)
@@ -152,7 +166,6 @@ def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]],
             f"| {r['config']} | {len(r['seeds'])}{partial} | {acc['mean']:.4f} "
             f"({acc['min']:.4f}..{acc['max']:.4f}) | {gap} | {r['bytes_run']:,.0f} | "
             f"{r['bytes_after_warmup']:,.0f} | 1/{r['dense_bytes'] / r['bytes_run']:.1f} |")
-    complete = all(len(r["seeds"]) == most for r in rows)
     lines.append("")
     if provenance:
         lines += [provenance, ""]
@@ -162,7 +175,7 @@ def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]],
     held = all(v["dominated_by"] for v in verdicts)
     lines.append(
         f"- SparDL {'dominates' if held else 'does not dominate'} PowerSGD's points on these "
-        f"runs{'' if complete else ' (not final: some configs lack seeds)'}.")
+        f"runs{'' if verdict_final(rows, verdicts) else ' (not final: points it rests on lack seeds)'}.")
     return "\n".join(lines) + "\n"
 
 
@@ -218,7 +231,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = summarise(runs)
     verdicts = dominance(rows)
     text = markdown(rows, verdicts, args.provenance)
-    report: dict[str, Any] = {"rows": rows, "dominance": verdicts}
+    report: dict[str, Any] = {"rows": rows, "dominance": verdicts,
+                              "verdict_final": verdict_final(rows, verdicts)}
     if args.step_times:
         step_times = json.loads(Path(args.step_times).read_text())
         report["time_to_accuracy"] = [time_to_accuracy(runs, step_times, t) for t in targets]

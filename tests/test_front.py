@@ -9,7 +9,7 @@ from experiments import front
 
 def _run(out, config: str, seed: int, accuracy: float, bytes_run: float, last_epoch: float):
     folder = out / f"{config}-seed{seed}"
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     (folder / "run.json").write_text(json.dumps({
         "config": config, "seed": seed, "test_accuracy": accuracy, "train_loss": 0.1,
         "bytes_run": bytes_run, "dense_bytes": 1000.0, "train_s": 1.0, "steps": 10}))
@@ -38,9 +38,42 @@ def test_the_front_reports_means_ranges_and_which_powersgd_points_sparDL_dominat
                 for v in json.loads((tmp_path / "front.json").read_text())["dominance"]}
     assert verdicts == {"powersgd1": ["spardl@0.01"], "powersgd4": []}
     text = (tmp_path / "front.md").read_text()
-    assert "does not dominate" in text and "not final: some configs lack seeds" in text
+    assert "does not dominate" in text and "not final: points it rests on lack seeds" in text
+    assert json.loads((tmp_path / "front.json").read_text())["verdict_final"] is False
     assert "| powersgd4 | 1 (partial) |" in text
     assert (tmp_path / "front.png").stat().st_size > 0
+
+
+def test_the_verdict_is_final_once_the_points_it_rests_on_have_all_their_seeds(tmp_path):
+    """Two seeds is the most. PowerSGD's point is dominated by a two-seed SparDL point, so a
+    one-seed SparDL point that dominates nothing and one-seed configs outside the verdict (the
+    fp16 hook, post-local SGD) leave it final; with only a one-seed dominator it is not; and a
+    verdict of no dominance is not final while any SparDL point lacks seeds."""
+    for seed in (0, 1):
+        _run(tmp_path, "dense", seed, 0.90, 1000, 1000)
+        _run(tmp_path, "powersgd4", seed, 0.88, 300, 200)
+        _run(tmp_path, "spardl@0.1", seed, 0.89, 200, 200)
+    _run(tmp_path, "spardl@0.1+warmupdense", 0, 0.80, 250, 200)
+    _run(tmp_path, "fp16", 0, 0.90, 500, 500)
+    _run(tmp_path, "postlocal4", 0, 0.90, 400, 250)
+
+    def verdict() -> tuple[bool, str]:
+        front.main([str(tmp_path)])
+        line = (tmp_path / "front.md").read_text().splitlines()[-1]
+        return json.loads((tmp_path / "front.json").read_text())["verdict_final"], line
+
+    assert verdict() == (True, "- SparDL dominates PowerSGD's points on these runs.")
+    for seed in (0, 1):  # the two-seed dominator now falls short; a one-seed one takes over
+        _run(tmp_path, "spardl@0.1", seed, 0.87, 200, 200)
+    _run(tmp_path, "spardl@0.01", 0, 0.885, 50, 50)
+    final, line = verdict()
+    assert not final and line.startswith("- SparDL dominates") and "not final" in line
+    (tmp_path / "spardl@0.01-seed0" / "run.json").unlink()
+    final, line = verdict()
+    assert not final and line.startswith("- SparDL does not dominate") and "not final" in line
+    _run(tmp_path, "spardl@0.1+warmupdense", 1, 0.80, 250, 200)
+    final, line = verdict()
+    assert final and line == "- SparDL does not dominate PowerSGD's points on these runs."
 
 
 def test_time_to_accuracy_uses_the_mean_curve_step_times_and_the_warmups_extra_bytes(tmp_path):
