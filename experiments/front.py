@@ -140,8 +140,8 @@ def dominance(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def verdict_final(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> bool:
-    """Whether more seeds of the configs lacking some could change the verdict (see the
-    module docstring): False while a row the verdict rests on has fewer seeds than the most."""
+    """True once more seeds of the configs lacking some cannot change the verdict (see the
+    module docstring); False while a row the verdict rests on has fewer seeds than the most."""
     most = max(len(r["seeds"]) for r in rows)
     complete = {r["config"] for r in rows if len(r["seeds"]) == most}
     if any(r["family"] == "powersgd" and r["config"] not in complete for r in rows):
