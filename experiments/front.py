@@ -173,9 +173,10 @@ def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]],
         by = ", ".join(v["dominated_by"]) or "no SparDL point"
         lines.append(f"- {v['powersgd']}: at no more bytes and at least its mean accuracy: {by}.")
     held = all(v["dominated_by"] for v in verdicts)
+    caveat = "" if verdict_final(rows, verdicts) else " (not final: points it rests on lack seeds)"
     lines.append(
         f"- SparDL {'dominates' if held else 'does not dominate'} PowerSGD's points on these "
-        f"runs{'' if verdict_final(rows, verdicts) else ' (not final: points it rests on lack seeds)'}.")
+        f"runs{caveat}.")
     return "\n".join(lines) + "\n"
 
 
