@@ -151,7 +151,7 @@ def verdict_final(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) ->
     return all(r["config"] in complete for r in rows if r["family"] == "spardl")
 
 
-def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]],
+def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]], final: bool,
              provenance: str | None = None) -> str:
     most = max(len(r["seeds"]) for r in rows)
     dense = next((r for r in rows if r["config"] == "dense"), None)
@@ -173,7 +173,7 @@ def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]],
         by = ", ".join(v["dominated_by"]) or "no SparDL point"
         lines.append(f"- {v['powersgd']}: at no more bytes and at least its mean accuracy: {by}.")
     held = all(v["dominated_by"] for v in verdicts)
-    caveat = "" if verdict_final(rows, verdicts) else " (not final: points it rests on lack seeds)"
+    caveat = "" if final else " (not final: points it rests on lack seeds)"
     lines.append(
         f"- SparDL {'dominates' if held else 'does not dominate'} PowerSGD's points on these "
         f"runs{caveat}.")
@@ -231,9 +231,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit(f"no finished run (CONFIG-seedS/run.json) under {out}")
     rows = summarise(runs)
     verdicts = dominance(rows)
-    text = markdown(rows, verdicts, args.provenance)
-    report: dict[str, Any] = {"rows": rows, "dominance": verdicts,
-                              "verdict_final": verdict_final(rows, verdicts)}
+    final = verdict_final(rows, verdicts)
+    text = markdown(rows, verdicts, final, args.provenance)
+    report: dict[str, Any] = {"rows": rows, "dominance": verdicts, "verdict_final": final}
     if args.step_times:
         step_times = json.loads(Path(args.step_times).read_text())
         report["time_to_accuracy"] = [time_to_accuracy(runs, step_times, t) for t in targets]
