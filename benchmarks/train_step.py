@@ -40,7 +40,8 @@ from benchmarks.launch import launch_env, launcher_command
 from benchmarks.netem import EmulatedNetwork, available, rate_bits_per_s, run_all
 from benchmarks.netns_ssh import on_node
 from experiments import compare
-from experiments.main_trainer import DEVICES, read_log, resolve_device
+from experiments.main_trainer import DEVICES, resolve_device
+from testbed.records import read_log
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHERS = ("spawn", "horovodrun")

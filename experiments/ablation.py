@@ -7,7 +7,8 @@ does not depend on the network).
         --train-samples 20000 --max-epochs 3 --out experiments/results/ablation_resnet20
 
 --parallel N runs N runs at a time (on a GPU, `--extra "--device cuda"`; each run is --workers
-processes). Writes OUT/NAME-seedS/ (each run's logs), OUT/results.json and OUT/summary.md: per config, the
+processes). Writes OUT/NAME-seedS/ (each run's logs, packed into OUT/NAME-seedS.tar.xz once the
+run has finished: see testbed.records), OUT/results.json and OUT/summary.md: per config, the
 mean and spread (min..max) over seeds of the final test accuracy, the final training loss, the
 bytes per step over the whole run, against dense's. (After a warm-up, SparDL's bytes per step are
 those of the same density without one: its messages have fixed sizes.) Run again, the same
@@ -24,8 +25,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from experiments.main_trainer import read_log
 from spardl_grace.api import DEFAULT_MIN_ENTRIES
+from testbed.records import Run, pack, read_log, runs_under
 
 ROOT = Path(__file__).resolve().parent.parent
 TECHNIQUES = {
@@ -165,8 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace, config: str, seed: int) -> dict:
     out = Path(args.out) / f"{config}-seed{seed}"
     run_record = out / "run.json"
-    if run_record.exists():  # a finished run is not repeated (resume a long ablation)
-        return json.loads(run_record.read_text())
+    recorded = Run(out)
+    if recorded.has("run.json"):
+        return json.loads(recorded.read_text("run.json"))  # finished runs are not repeated
     print(f"{config} seed {seed} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     # A run cut off after an epoch's checkpoint continues from it instead of starting over.
@@ -192,6 +194,7 @@ def run(args: argparse.Namespace, config: str, seed: int) -> dict:
               "train_loss": final["train_loss"], "bytes_run": bytes_run,
               "dense_bytes": final["dense_bytes_per_step"], "train_s": train_s, "steps": steps}
     run_record.write_text(json.dumps(result))
+    pack(out)
     return result
 
 
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.report:
-        results = [json.loads(f.read_text()) for f in sorted(Path(args.out).glob("*/run.json"))]
+        results = [json.loads(r.read_text("run.json")) for r in runs_under(args.out, "run.json")]
         configs = list(dict.fromkeys(r["config"] for r in results))
         args.configs = sorted(configs, key=lambda c: (c != "dense", c.count("+"), c))
         args.seeds = sorted({r["seed"] for r in results})

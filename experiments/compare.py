@@ -17,7 +17,8 @@ Every run is one `python -m experiments.main_trainer` (the training CLI) with th
 only the synchronisation differs. Evaluation (every --eval-every steps, 2,000 test images) is
 not counted as training time. Without root (no network namespaces) it runs on loopback and
 says so. Writes OUT/results.json, OUT/accuracy_vs_time.png (every run thin, each algorithm's
-median curve with its min-max band) and each run's logs under OUT/NAME/seedS/.
+median curve with its min-max band) and each run's logs in OUT/NAME/seedS.tar.xz (the run's
+folder packed once summarised; testbed.records reads it, `tar xJf` unpacks it).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from experiments.main_trainer import read_log
+from testbed.records import Run, pack, read_log
 
 ROOT = Path(__file__).resolve().parent.parent
 # The sparse all-reduces run with the training CLI's default DGC density warm-up (chosen by the
@@ -184,6 +185,8 @@ def trainer_command(args: argparse.Namespace, name: str, out: Path, rate: str | 
 
 
 def run_one(args: argparse.Namespace, name: str, out: Path, rate: str | None, seed: int) -> None:
+    """Train one run into the folder `out`; it replaces an earlier run's there, packed or not."""
+    Run(out).archive.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -326,6 +329,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"training with {LABELS[name]}, seed {seed} ...", flush=True)
             run_one(args, name, out / name / f"seed{seed}", rate, seed)
             runs.append(summarise(name, out / name / f"seed{seed}", args.workers, seed))
+            pack(out / name / f"seed{seed}")
     groups = group(runs)
     title = (f"{args.dnn}, {args.dataset}, {args.workers} workers, "
              f"{'links ' + rate if rate else 'loopback'}, batch {args.batch_size}/worker, "

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.netem import rate_bits_per_s
-from experiments.main_trainer import read_log
+from testbed.records import read_log, runs_under
 
 
 def family(config: str) -> str:
@@ -48,9 +48,9 @@ def load_runs(out: Path) -> list[dict[str, Any]]:
     """Every finished run under `out`, with its last epoch's bytes per step and its epochs
     ((step, test accuracy, bytes per step), the last record of each epoch) added."""
     runs = []
-    for record in sorted(out.glob("*/run.json")):
-        run = json.loads(record.read_text())
-        epochs = {e["epoch"]: e for e in read_log(record.parent)["epoch"]}
+    for record in runs_under(out, "run.json"):
+        run = json.loads(record.read_text("run.json"))
+        epochs = {e["epoch"]: e for e in read_log(record)["epoch"]}
         run["epochs"] = [(e["step"], e["test_accuracy"], e["bytes_sent_per_step"])
                          for _, e in sorted(epochs.items())]
         run["bytes_after_warmup"] = run["epochs"][-1][2] if epochs else None

@@ -501,16 +501,6 @@ def lr_factor(step: int, steps_per_epoch: int, args: argparse.Namespace, world: 
     return factor
 
 
-def read_log(out: str | Path) -> dict[str, list[dict[str, Any]]]:
-    """OUT/log.jsonl by kind: 'start' (each start of the run, with the step it began at),
-    'step', 'eval', 'epoch' and 'run' (the run's summary), each in the order written."""
-    records: dict[str, list[dict[str, Any]]] = {}
-    for line in (Path(out) / "log.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        records.setdefault(record["kind"], []).append(record)
-    return records
-
-
 class Logger:
     """JSONL of every record and a CSV of epoch summaries on rank 0; W&B and TensorBoard when
     asked for (W&B offline unless WANDB_API_KEY is set)."""

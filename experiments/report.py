@@ -2,7 +2,8 @@
 
     python -m experiments.report experiments/results/resnet20_fmnist
 
-Every sub-folder of the given folder that holds a log.jsonl is one run, named by the folder.
+Every sub-folder of the given folder that holds a log.jsonl is one run, named by the folder;
+a run packed into FOLDER.tar.xz (testbed.records) counts the same.
 Writes summary.json and summary.md (one row per run: final and best test accuracy, bytes sent
 per step per rank, compression ratio, samples/s and the split of sync time) and curves.png
 (training loss per step, smoothed, and test accuracy per epoch), and prints the table.
@@ -14,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.main_trainer import read_log
+from testbed.records import Run, read_log, runs_under
 
 COLUMNS = (("run", "run", "{}"), ("epochs", "epochs", "{}"),
            ("final test acc", "final_test_accuracy", "{:.4f}"),
@@ -28,12 +29,12 @@ COLUMNS = (("run", "run", "{}"), ("epochs", "epochs", "{}"),
            ("comm s", "comm_s", "{:.1f}"))
 
 
-def read_run(folder: Path) -> dict[str, Any]:
+def read_run(run: Run) -> dict[str, Any]:
     """A run's step losses and epoch records from its log.jsonl."""
-    log = read_log(folder)
+    log = read_log(run)
     steps, epochs = log.get("step", []), log.get("epoch", [])
     if not epochs:
-        raise ValueError(f"{folder}/log.jsonl has no finished epoch")
+        raise ValueError(f"{run} has no finished epoch in its log.jsonl")
     return {"steps": steps, "epochs": epochs}
 
 
@@ -85,10 +86,10 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, window: int = 25) -> None:
 
 def report(folder: Path) -> list[dict[str, Any]]:
     """Summarise every run under `folder`; writes summary.json, summary.md and curves.png."""
-    runs = {sub.name: read_run(sub) for sub in sorted(folder.iterdir())
-            if (sub / "log.jsonl").exists()}
+    runs = {run.name: read_run(run) for run in runs_under(folder)}
     if not runs:
-        raise SystemExit(f"no run (a folder with log.jsonl) under {folder}")
+        raise SystemExit(f"no run (a folder with log.jsonl, or one packed into FOLDER.tar.xz) "
+                         f"under {folder}")
     rows = [summarise(name, run) for name, run in runs.items()]
     (folder / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     (folder / "summary.md").write_text(markdown(rows))

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ["spardl_grace", "deepreduce_compat"]
-DRIVERS = ["experiments", "benchmarks", "tests", "examples", "docs"]
+DRIVERS = ["experiments", "benchmarks", "testbed", "tests", "examples", "docs"]
 BIN = Path(sys.executable).parent
 
 

@@ -20,6 +20,7 @@ from experiments.datasets import DATASET_TASKS, DATASETS, load_dataset
 from experiments.models import MODEL_TASKS, MODELS, build_model
 from spardl_grace import launch, run_local
 from spardl_grace.warmup import warmup_density
+from testbed.records import open_run, read_log
 
 
 # ------------------------------------------------------------------------------- models
@@ -490,7 +491,7 @@ def test_the_sharded_modes_train_as_plain_ddp_does_at_density_one(tmp_path):
     _cli(tmp_path / "plain", *options)
     _cli(tmp_path / "hybrid", *options, "--fsdp", "hybrid")
     _cli(tmp_path / "flat", *options, "--fsdp", "flat")
-    logs = {name: main_trainer.read_log(tmp_path / name) for name in ("plain", "hybrid", "flat")}
+    logs = {name: read_log(tmp_path / name) for name in ("plain", "hybrid", "flat")}
     for name in ("hybrid", "flat"):
         assert [s["loss"] for s in logs[name]["step"]] == pytest.approx(
             [s["loss"] for s in logs["plain"]["step"]], rel=1e-4)
@@ -773,16 +774,20 @@ def test_an_ablation_run_cut_off_resumes_and_reports_the_whole_run(tmp_path):
               "--extra", "--max-steps 3 --device cpu"]
     whole = ablation.main([*common, "--max-epochs", "2", "--out", str(tmp_path / "whole")])
     ablation.main([*common, "--max-epochs", "1", "--out", str(tmp_path / "cut")])
-    (tmp_path / "cut" / "spardl+warmup1-seed0" / "run.json").unlink()
+    # cut off after its first epoch: the logs and checkpoint as they were, no run.json, unpacked
+    cut = tmp_path / "cut" / "spardl+warmup1-seed0"
+    subprocess.run(["tar", "xJf", f"{cut}.tar.xz", "-C", str(cut.parent)], check=True)
+    Path(f"{cut}.tar.xz").unlink()
+    (cut / "run.json").unlink()
     resumed = ablation.main([*common, "--max-epochs", "2", "--out", str(tmp_path / "cut")])
     for key in ("test_accuracy", "train_loss"):
         assert resumed[0][key] == whole[0][key]
     # The resumed process agrees on every gradient's settings once more (a few bytes).
     assert resumed[0]["bytes_run"]["mean"] == pytest.approx(whole[0]["bytes_run"]["mean"], rel=1e-3)
-    runs = [json.loads((tmp_path / d / "spardl+warmup1-seed0" / "run.json").read_text())
+    runs = [json.loads(open_run(tmp_path / d / "spardl+warmup1-seed0").read_text("run.json"))
             for d in ("whole", "cut")]
     assert runs[0]["steps"] == runs[1]["steps"] == 6
-    log = main_trainer.read_log(tmp_path / "cut" / "spardl+warmup1-seed0")
+    log = read_log(tmp_path / "cut" / "spardl+warmup1-seed0")
     assert [s["step"] for s in log["step"]] == list(range(6)), "epoch 0 must not run again"
     assert log["epoch"][0]["bytes_sent_per_step"] > log["epoch"][1]["bytes_sent_per_step"]
 

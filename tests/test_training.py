@@ -7,6 +7,7 @@ import json
 import pytest
 
 from experiments import compare
+from testbed import records
 
 
 def test_main_job_quick_compares_ddp_powersgd_and_spardl(tmp_path):
@@ -32,6 +33,11 @@ def test_main_job_quick_compares_ddp_powersgd_and_spardl(tmp_path):
     assert first["powersgd4"]["bytes_per_step_final"] < first["ddp"]["bytes_per_step_final"]
     assert first["fp16"]["bytes_per_step_final"] == first["ddp"]["bytes_per_step_final"] / 2
     assert saved["verdict"] == compare.verdict(compare.group(runs), 0.3)
+    # each run is recorded as one packed file that still gives its curve
+    packed = records.open_run(tmp_path / "spardl" / "seed1")
+    assert packed.packed and not (tmp_path / "spardl" / "seed1" / "log.jsonl").exists()
+    curve = [[e["train_s"], e["test_accuracy"]] for e in records.read_log(packed)["eval"]]
+    assert curve == next(r["curve"] for r in runs if r["algorithm"] == "spardl" and r["seed"] == 1)
     assert (tmp_path / "accuracy_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
