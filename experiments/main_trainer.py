@@ -481,7 +481,8 @@ def start(args: argparse.Namespace) -> None:
     backend = "gloo"
     if kind == "torchrun":
         train_device(args.device, int(os.environ["RANK"]))
-        backend = launch.torch_backend(args.device, int(os.environ["WORLD_SIZE"]))
+        world = int(os.environ["WORLD_SIZE"])
+        backend = launch.torch_backend(args.device, launch.local_world_size(world))
     train(args, launch.join(args.timeout, kind, backend))
     if kind == "torchrun":
         from spardl_grace.transport.torch_dist import destroy_and_exit

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .agreement import agree
-from .transport import Transport, default_transport
+from .transport import Transport, shared_transport
 
 
 def _check_root(root_rank: int, transport: Transport) -> None:
@@ -35,7 +35,7 @@ def broadcast_parameters(
     """Overwrite, in place, every tensor of `params` (model.state_dict() or
     model.named_parameters()) with root_rank's. Tensors go in name order, so every rank must
     pass the same names."""
-    transport = transport or default_transport()
+    transport = transport or shared_transport()
     _check_root(root_rank, transport)
     items = sorted(params.items() if isinstance(params, Mapping) else params, key=lambda kv: kv[0])
     with torch.no_grad():
@@ -55,7 +55,7 @@ def broadcast_object(
     numbers, strings, None and lists, tuples and dicts of them (any state_dict); tensors come
     back on the CPU, bit for bit. Two broadcasts: the size, then the bytes (the transport
     moves them to the backend's device)."""
-    transport = transport or default_transport()
+    transport = transport or shared_transport()
     _check_root(root_rank, transport)
     if transport.rank == root_rank:
         buffer = io.BytesIO()
@@ -101,7 +101,7 @@ def broadcast_optimizer_state(
     the active backend's."""
     sync = getattr(optimizer, "_sync", None)
     if transport is None:
-        transport = sync.grace.transport if sync is not None else default_transport()
+        transport = sync.grace.transport if sync is not None else shared_transport()
     _check_root(root_rank, transport)
     agree(transport, "the optimizer to broadcast", _structure(optimizer))
     state = broadcast_object(

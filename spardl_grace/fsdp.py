@@ -85,7 +85,7 @@ class SparseReduceScatter:
     ) -> None:
         from torch.distributed import ReduceOp
 
-        if group is not None and group != self.grace.transport.group:
+        if group is not None and group != self.grace.transport.user_group:
             raise ValueError(
                 f"unit '{self.name}' reduce-scatters over another process group than the one "
                 "flat_shard built its communicator on: shard every unit with flat_shard"

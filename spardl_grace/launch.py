@@ -65,13 +65,22 @@ def local_rank(default: int = 0, environ: Mapping[str, str] = os.environ) -> int
     return next((int(environ[key]) for key in LOCAL_RANK_VARIABLES if key in environ), default)
 
 
-def torch_backend(device: str, world_size: int) -> str:
+def local_world_size(default: int, environ: Mapping[str, str] = os.environ) -> int:
+    """How many ranks the launcher started on this node (torchrun's LOCAL_WORLD_SIZE, Open
+    MPI's OMPI_COMM_WORLD_LOCAL_SIZE, Horovod's HOROVOD_LOCAL_SIZE); `default` without one."""
+    keys = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE")
+    return next((int(environ[key]) for key in keys if key in environ), default)
+
+
+def torch_backend(device: str, ranks_on_node: int) -> str:
     """torch.distributed's backend for ranks on `device` ('cpu' or 'cuda'): NCCL where every
-    rank has a GPU of its own; gloo otherwise (CPU training, or ranks sharing a GPU, which
-    NCCL refuses). Gloo moves CUDA tensors through the host."""
+    rank of a node has a GPU of its own (`ranks_on_node`, local_world_size(): the ranks on one
+    node, not the job's; nodes alike, as torchrun's --nproc-per-node makes them); gloo
+    otherwise (CPU training, or ranks sharing a GPU, which NCCL refuses). Gloo moves CUDA
+    tensors through the host."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    return "nccl" if device == "cuda" and torch.cuda.device_count() >= world_size else "gloo"
+    return "nccl" if device == "cuda" and torch.cuda.device_count() >= ranks_on_node else "gloo"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

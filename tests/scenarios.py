@@ -69,8 +69,6 @@ def horovod_channel_fallback(transport) -> dict:
     import warnings
 
     from spardl_grace.transport import horovod
-    saved = dict(horovod._CHANNELS)
-    horovod._CHANNELS.clear()
     old = os.environ.get("HOROVOD_GLOO_IFACE")
     if transport.rank == 1:
         os.environ["HOROVOD_GLOO_IFACE"] = "nosuchnic0"
@@ -79,8 +77,7 @@ def horovod_channel_fallback(transport) -> dict:
             warnings.simplefilter("always")
             fallback = horovod.HorovodTransport(5.0, prefix="fallback")
     finally:
-        horovod._CHANNELS.clear()
-        horovod._CHANNELS.update(saved)
+        horovod._UNREACHABLE.clear()  # the next transport's channel can be opened again
         if old is None:
             os.environ.pop("HOROVOD_GLOO_IFACE", None)
         else:

@@ -97,6 +97,12 @@ def test_device_choice_and_its_transport(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert launch.torch_backend("cuda", 4) == "nccl"
     assert launch.torch_backend("cuda", 8) == "gloo"  # ranks would share GPUs: NCCL refuses
+    # 16 ranks on 4 nodes of 4 GPUs: each node's ranks have a GPU each, so NCCL (it took gloo
+    # whenever the GPUs here were fewer than the job's ranks, i.e. for every multi-node job)
+    ranks_here = launch.local_world_size(16, {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "16"})
+    assert ranks_here == 4 and launch.torch_backend("cuda", ranks_here) == "nccl"
+    assert launch.local_world_size(16, {}) == 16
+    assert launch.local_world_size(16, {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
     assert main_trainer.train_device("cpu", 3) == torch.device("cpu")
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "TransportTimeout",
     "default_transport",
     "run_local",
+    "shared_transport",
     "under_mpirun",
 ]
 
@@ -48,12 +49,45 @@ def under_mpirun(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def default_transport(timeout: float = DEFAULT_TIMEOUT_S) -> Transport:
-    """The transport of the active backend: Horovod if initialised, else an initialised
-    torch.distributed, else MPI when running under mpirun. Raises TransportError saying how to
-    start one when none is active. Warns (RuntimeWarning, once) when the launcher's ranks on
-    this host times their torch threads exceed its cores (threads.oversubscription)."""
+    """A new transport of the active backend: Horovod if initialised, else an initialised
+    torch.distributed, else MPI when running under mpirun. Each one sends on a channel of its
+    own, apart from the user's collectives (a process group, a duplicated communicator, a
+    private gloo group beside Horovod): construction is collective, every rank calls it at the
+    same point. Raises TransportError saying how to start one when none is active. Warns
+    (RuntimeWarning, once) when the launcher's ranks on this host times their torch threads
+    exceed its cores (threads.oversubscription)."""
     transport = _active_transport(timeout)
     warn_if_oversubscribed()
+    return transport
+
+
+# shared_transport's transport and what it was made for (the backend and its default group or
+# communicator): a new backend, or a torch.distributed group made anew after a restart, gets
+# a new one.
+_SHARED: list[tuple[object, Transport]] = []
+
+
+def _backend_identity() -> object:
+    if _horovod_initialised():
+        return ("horovod", sys.modules["horovod.torch"].size())
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_group()
+    return "mpi"
+
+
+def shared_transport(timeout: float = DEFAULT_TIMEOUT_S) -> Transport:
+    """The active backend's transport for the library's one-off collectives on the caller's
+    thread (broadcast_parameters, broadcast_optimizer_state without a DistributedOptimizer):
+    one per process and backend, made on first use (collective, as default_transport is), so
+    repeated broadcasts do not each open a channel. A synchroniser gets its own transport from
+    default_transport instead: its communication thread never shares a channel."""
+    identity = _backend_identity()
+    if _SHARED and _SHARED[0][0] == identity:
+        return _SHARED[0][1]
+    transport = default_transport(timeout)
+    _SHARED[:] = [(identity, transport)]
     return transport
 
 

@@ -1,4 +1,4 @@
-"""A private gloo process group for point-to-point messages, opened beside a launcher whose
+"""A private gloo process group for the library's messages, opened beside a launcher whose
 own operations are collective only (Horovod).
 
 The group is a torch.distributed ProcessGroupGloo used directly, never registered with
@@ -29,7 +29,7 @@ _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
 class GlooChannel:
-    """Point-to-point messages among the ranks of a private gloo group."""
+    """Point-to-point messages and collectives among the ranks of a private gloo group."""
 
     def __init__(self, group: dist.ProcessGroupGloo, store: dist.Store, timeout: float):
         # torch's stubs lack the backend's send and recv, which ProcessGroupGloo has.
@@ -42,6 +42,20 @@ class GlooChannel:
         if kind == "recv":
             return self.group.recv([tensor], peer, 0)
         return self.group.send([tensor], peer, 0)
+
+    def allreduce(self, tensor: torch.Tensor):
+        """Sum a contiguous CPU tensor in place over the group."""
+        return self.group.allreduce([tensor])
+
+    def allgather(self, parts: list[torch.Tensor], tensor: torch.Tensor):
+        """Every rank's `tensor` (all of one size) into `parts`, in rank order."""
+        return self.group.allgather([parts], [tensor])
+
+    def broadcast(self, tensor: torch.Tensor, root: int):
+        """Root's `tensor` into everyone's, in place."""
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = root, 0
+        return self.group.broadcast([tensor], options)
 
     def allow(self, timeout: float) -> None:
         """Let gloo's own timeout be at least `timeout` seconds (the caller bounds each wait)."""

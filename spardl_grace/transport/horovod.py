@@ -1,14 +1,19 @@
 """Horovod transport (horovodrun with --gloo or --mpi).
 
-Collectives (allreduce, allgather, broadcast) go through Horovod's public API. Horovod has no
-point-to-point send/recv, and each of its operations first passes its background loop and its
-coordinator's negotiation (about 8 ms for a 256-byte exchange on an emulated 100 Mbit link,
-against 0.6 ms through gloo). SparDL sends about 2 log2(P) small messages a step, so by default
-its sendrecv and alltoall go over a gloo channel opened beside Horovod: a private gloo process
-group among Horovod's ranks (rank 0 serves its rendezvous store; its address, on Horovod's
-HOROVOD_GLOO_IFACE when horovodrun sets it, reaches the others through a Horovod broadcast).
-If the channel cannot be opened on every rank, every rank warns and sends through Horovod's
-alltoall instead (a send to one peer is an alltoall whose other parts are empty).
+Horovod has no point-to-point send/recv, and each of its operations first passes its
+background loop and its coordinator's negotiation (about 8 ms for a 256-byte exchange on an
+emulated 100 Mbit link, against 0.6 ms through gloo). So by default every message of the
+library, collectives included, goes over a gloo channel opened beside Horovod: a private gloo
+process group among Horovod's ranks (rank 0 serves its rendezvous store; its address, on
+Horovod's HOROVOD_GLOO_IFACE when horovodrun sets it, reaches the others through a Horovod
+broadcast). That also keeps the library's traffic apart from the user's: Horovod names an
+unnamed op by a per-process count of the ops submitted, so library ops submitted from the
+communication thread while the user's thread submits an unnamed hvd.allreduce would give that
+op different names on different ranks, and the job would stall.
+
+If the channel cannot be opened on every rank, every rank warns and everything goes through
+Horovod's public API instead (a send to one peer is an alltoall whose other parts are empty);
+then name your own ops between backward() and step() (hvd.allreduce(t, name=...)).
 SPARDL_HOROVOD_P2P=horovod (or p2p='horovod') asks for that path from the start.
 
 Every Horovod op is named deterministically from the caller's name, since Horovod matches ops
@@ -46,17 +51,22 @@ HOROVOD_REDUCES = (torch.float32, torch.float64, torch.int32, torch.int64)
 #: how point-to-point messages travel: a gloo channel beside Horovod, or Horovod's alltoall
 P2P_MODES = ("gloo", "horovod")
 P2P_ENV = "SPARDL_HOROVOD_P2P"
-# One channel per process and Horovod world (rank, size), opened by the first transport that
-# asks for it; None records that it could not be opened.
-_CHANNELS: dict[tuple[int, int], GlooChannel | None] = {}
+# Channels opened so far per Horovod world (rank, size): each transport opens its own (two
+# synchronisers' communication threads never share one), labelled by this count, which every
+# rank keeps alike because every rank constructs its transports in the same order. A world in
+# which a channel could not be opened is not tried again (each try may wait out a timeout).
+_OPENED: dict[tuple[int, int], int] = {}
+_UNREACHABLE: set[tuple[int, int]] = set()
 
 
 class HorovodTransport(PointToPoint, Transport):
     """Transport over an initialised horovod.torch (hvd.init() must have been called).
 
     `p2p` (default: $SPARDL_HOROVOD_P2P, else 'gloo') chooses how sendrecv and alltoall travel:
-    'gloo', a private gloo group beside Horovod, opened by the first such transport of the
-    process (collective: every rank constructs its transport), or 'horovod', Horovod's alltoall."""
+    'gloo', a private gloo group beside Horovod that this transport opens for itself
+    (collective: every rank constructs its transport), or 'horovod', Horovod's alltoall.
+    Horovod matches its collectives by name, and the library's names carry `prefix`, so the
+    user's own Horovod collectives never pair with the library's."""
 
     def __init__(
         self, timeout: float = DEFAULT_TIMEOUT_S, prefix: str = "spardl", p2p: str | None = None
@@ -80,9 +90,12 @@ class HorovodTransport(PointToPoint, Transport):
         self._channel: GlooChannel | None = None
         if mode == "gloo" and self.size > 1:
             world = (self.rank, self.size)
-            if world not in _CHANNELS:
-                _CHANNELS[world] = open_gloo_channel(self, f"{prefix}.p2p_channel")
-            self._channel = _CHANNELS[world]
+            if world not in _UNREACHABLE:
+                count = _OPENED.get(world, 0)
+                _OPENED[world] = count + 1
+                self._channel = open_gloo_channel(self, f"{prefix}.p2p_channel.{count}")
+                if self._channel is None:
+                    _UNREACHABLE.add(world)
 
     @property
     def p2p(self) -> str:
@@ -121,19 +134,22 @@ class HorovodTransport(PointToPoint, Transport):
             raise TransportError("this Horovod does not return received splits from alltoall")
         return list(torch.split(received, recv_splits.tolist()))
 
-    def _p2p(self, ops: P2POps, name: str) -> None:
-        """Post `ops` on the gloo channel in the given order and wait for them."""
+    def _on_channel(self, post, name: str) -> None:
+        """Run post(channel) (it returns the gloo works it started) and wait for them."""
         channel = self._channel
-        assert channel is not None  # PointToPoint's methods run only with a channel
+        assert channel is not None  # only called with a channel
         channel.allow(self.timeout)
         try:
-            works = [channel.post(kind, t, peer) for kind, t, peer in ops]
-            for w in works:
+            for w in post(channel):
                 w.wait(timedelta(seconds=self.timeout))
         except RuntimeError as exc:
             # As for a Horovod op: Horovod's shutdown would wait for the failed peer.
             fail_job_at_exit("horovod", exit_with_failure)
             raise backend_failure(exc, self.rank, name) from exc
+
+    def _p2p(self, ops: P2POps, name: str) -> None:
+        """Post `ops` on the gloo channel in the given order and wait for them."""
+        self._on_channel(lambda ch: [ch.post(kind, t, peer) for kind, t, peer in ops], name)
 
     def _alltoall_sizes(self, send_sizes: torch.Tensor, name: str) -> torch.Tensor:
         """Point to point on the channel as well: one Horovod op would cost more than the
@@ -165,6 +181,11 @@ class HorovodTransport(PointToPoint, Transport):
     def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
         _check_1d(tensor, "allgather")
         data = as_bytes(tensor.detach().cpu())
+        if self._channel is not None:
+            return [
+                from_bytes(p, tensor.dtype).to(tensor.device)
+                for p in self._channel_allgather(data, name)
+            ]
         sizes = self._sync(
             self._hvd.allgather_async(
                 torch.tensor([data.numel()], dtype=torch.int64), name=self._name(name, "sizes")
@@ -185,24 +206,48 @@ class HorovodTransport(PointToPoint, Transport):
         received = self._alltoall_bytes(tensors, name)
         return [from_bytes(r, t.dtype).to(t.device) for r, t in zip(received, tensors)]
 
+    def _channel_allgather(self, data: torch.Tensor, name: str) -> list[torch.Tensor]:
+        """Every rank's bytes over the channel: the sizes, then the bytes padded to the
+        longest."""
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.size)]
+        self._on_channel(lambda ch: [ch.allgather(sizes, size)], f"{name}.sizes")
+        counts = [int(s) for s in sizes]
+        padded = torch.zeros(max(counts), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        if padded.numel():
+            self._on_channel(lambda ch: [ch.allgather(parts, padded)], name)
+        return [p[:n] for p, n in zip(parts, counts)]
+
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         work = tensor.detach().cpu().contiguous()
         if work.dtype in (torch.float16, torch.bfloat16):
             work = work.float()
         elif work.dtype not in HOROVOD_REDUCES:
             work = work.long()  # sums wrap back into the narrow type, as gloo's do
-        out = self._sync(
-            self._hvd.allreduce_async(work, op=self._hvd.Sum, name=self._name(name, "allreduce")),
-            name,
-        )
+        if self._channel is not None:
+            out = work.clone()
+            self._on_channel(lambda ch: [ch.allreduce(out)], name)
+        else:
+            out = self._sync(
+                self._hvd.allreduce_async(
+                    work, op=self._hvd.Sum, name=self._name(name, "allreduce")
+                ),
+                name,
+            )
         return out.to(dtype=tensor.dtype, device=tensor.device)
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         self._check_peer(root, "root")
         data = as_bytes(tensor.detach().cpu()).clone()
-        out = self._sync(
-            self._hvd.broadcast_async(data, root, name=self._name(name, "bcast")), name
-        )
+        if self._channel is not None:
+            self._on_channel(lambda ch: [ch.broadcast(data, root)], name)
+            out = data
+        else:
+            out = self._sync(
+                self._hvd.broadcast_async(data, root, name=self._name(name, "bcast")), name
+            )
         return from_bytes(out, tensor.dtype).view(tensor.shape).to(tensor.device)
 
     def barrier(self, name: str = "barrier") -> None:

@@ -39,13 +39,18 @@ def _np_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 class MPITransport(Transport):
-    """Transport over an mpi4py communicator (COMM_WORLD by default)."""
+    """Transport over an mpi4py communicator (COMM_WORLD by default).
+
+    The library's messages travel on a duplicate of it (`comm.Dup()`, made at construction:
+    collective over `comm`), a communication context of their own, so that no message,
+    collective or barrier of the user's on `comm` can match one of the library's."""
 
     def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT_S):
         from mpi4py import MPI
 
         self._MPI = MPI
-        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.user_comm = comm if comm is not None else MPI.COMM_WORLD
+        self.comm = self.user_comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = timeout

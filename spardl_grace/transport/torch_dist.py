@@ -18,12 +18,68 @@ import torch.distributed as dist
 from .base import DEFAULT_TIMEOUT_S, QueuedOp, Transport, TransportError, _check_1d
 from .p2p import RECV, SEND, P2POps, PointToPoint, backend_failure
 
+#: backends that take a single name in new_group; anything else is passed as its config
+_PLAIN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+def backend_spec(group: dist.ProcessGroup | None) -> str:
+    """What new_group needs to make a group with `group`'s backends: its backend's name
+    ('gloo', 'nccl'), or its per-device config ('cpu:gloo,cuda:nccl', torch's default when
+    init_process_group is given no backend)."""
+    name = str(dist.get_backend(group))
+    return name if name in _PLAIN_BACKENDS else str(dist.get_backend_config(group))
+
+
+def comm_device(spec: str, cuda_available: bool, current: int = 0) -> torch.device:
+    """The device messages travel from: CUDA when the backend sends CUDA tensors over NCCL
+    ('nccl', or a config such as 'cpu:gloo,cuda:nccl') and CUDA is there, else the CPU
+    (gloo and MPI take CPU tensors)."""
+    if cuda_available and (spec == "nccl" or "cuda:nccl" in spec):
+        return torch.device("cuda", current)
+    return torch.device("cpu")
+
+
+def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new process group of `group`'s ranks (the default group's when None) and backends,
+    for the library's traffic alone, so that no collective of the user's, on any group of
+    theirs, can pair with one of the library's.
+
+    Collective over the whole default group: every rank calls it at the same point, each with
+    its own group when the groups partition the ranks (an FSDP mesh's replica groups). The
+    ranks first share which groups they asked for, then make every one of them in the same
+    order (torch.distributed's rule for new_group); groups that overlap without being equal are
+    refused on every rank."""
+    spec = backend_spec(group)
+    mine = sorted(dist.get_process_group_ranks(group)) if group is not None else None
+    world = dist.get_world_size()
+    asked: list[list[int] | None] = [None] * world
+    dist.all_gather_object(asked, mine)
+    groups = sorted({tuple(ranks if ranks is not None else range(world)) for ranks in asked})
+    covered = [r for members in groups for r in members]
+    if len(covered) != len(set(covered)):
+        raise ValueError(
+            f"the ranks asked for transports over overlapping groups {groups}: make one "
+            "transport per group of a partition (each rank over its own group) at a time"
+        )
+    rank = dist.get_rank()
+    made = None
+    for members in groups:
+        made_now = dist.new_group(list(members), backend=spec)
+        if rank in members:
+            made = made_now
+    assert made is not None  # every rank asked for a group holding itself
+    return made
+
 
 class TorchDistTransport(PointToPoint, Transport):
     """Transport over an initialised torch.distributed process group.
 
-    `timeout` bounds every wait; the process group's own timeout (set at
-    init_process_group) bounds the collectives inside the backend as well."""
+    The library's messages travel on a process group of its own, made at construction over
+    `group`'s ranks with `group`'s backends (private_group): construction is collective over
+    the default group, as torch.distributed.new_group is. The user's collectives, barriers
+    and object broadcasts, on the default group or any other, then never meet the library's,
+    whichever thread issues them. `timeout` bounds every wait; the process group's own
+    timeout (set at init_process_group) bounds the collectives inside the backend as well."""
 
     queues_collectives = True
 
@@ -33,20 +89,17 @@ class TorchDistTransport(PointToPoint, Transport):
                 "torch.distributed is not initialised: call "
                 "torch.distributed.init_process_group (e.g. under torchrun) first"
             )
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+        self.backend = backend_spec(group)
+        self.user_group = group
+        self.group = private_group(group)
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
         self.timeout = timeout
-        backend = dist.get_backend(group)
-        self.backend = backend
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
+        cuda = torch.cuda.is_available()
+        self._device = comm_device(self.backend, cuda, torch.cuda.current_device() if cuda else 0)
 
     def _global(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+        return dist.get_global_rank(self.group, rank)
 
     def _complete(self, issue, name: str) -> None:
         """Issue the ops (`issue()` returns their works) and wait for them. A dead peer can

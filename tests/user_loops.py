@@ -1,0 +1,165 @@
+"""Training loops as users write them, run under real launchers (tests/mp_worker.py with a
+scenario named 'user_loops.NAME'; the test harness's own transport is ignored: each script
+builds what a user builds, with grace_from_params and the launcher's own API).
+
+Each scenario returns the final parameters; the tests compare them across ranks and against
+the same loop without the user's extra collectives."""
+from __future__ import annotations
+
+import torch
+
+import spardl_grace
+from training_scenarios import batches, flat_params
+
+STEPS = 6
+PARAMS = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
+          "compress_ratio": 0.05, "min_entries": 0}
+
+
+def _launcher() -> str:
+    """'torchrun', 'horovod' or 'mpirun': which API a user's script would call."""
+    import sys
+    if "horovod.torch" in sys.modules and sys.modules["horovod.torch"].is_initialized():
+        return "horovod"
+    import torch.distributed as dist
+    return "torchrun" if dist.is_initialized() else "mpirun"
+
+
+def _model() -> torch.nn.Module:
+    """Four layers: several buckets, so the communication thread runs during backward."""
+    model = torch.nn.Sequential(torch.nn.Linear(784, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 10))
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+class _UserCollectives:
+    """The user's own communication, through the launcher's API as a user calls it."""
+
+    def __init__(self):
+        self.kind = _launcher()
+        if self.kind == "horovod":
+            import horovod.torch as hvd
+            self.hvd = hvd
+        elif self.kind == "mpirun":
+            from mpi4py import MPI
+            self.comm = MPI.COMM_WORLD
+
+    def allreduce(self, value: float) -> float:
+        if self.kind == "torchrun":
+            import torch.distributed as dist
+            t = torch.tensor([value])
+            dist.all_reduce(t)
+            return float(t)
+        if self.kind == "horovod":
+            return float(self.hvd.allreduce(torch.tensor([value]), op=self.hvd.Sum))
+        return float(self.comm.allreduce(value))
+
+    def barrier(self) -> None:
+        if self.kind == "torchrun":
+            import torch.distributed as dist
+            dist.barrier()
+        elif self.kind == "horovod":
+            self.hvd.barrier()
+        else:
+            self.comm.Barrier()
+
+    def broadcast_object(self, obj):
+        if self.kind == "torchrun":
+            import torch.distributed as dist
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        if self.kind == "horovod":
+            return self.hvd.broadcast_object(obj, root_rank=0)
+        return self.comm.bcast(obj, root=0)
+
+    @property
+    def rank(self) -> int:
+        if self.kind == "torchrun":
+            import torch.distributed as dist
+            return dist.get_rank()
+        return self.hvd.rank() if self.kind == "horovod" else self.comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        if self.kind == "torchrun":
+            import torch.distributed as dist
+            return dist.get_world_size()
+        return self.hvd.size() if self.kind == "horovod" else self.comm.Get_size()
+
+
+def _optimizer_loop(between_backward_and_step) -> dict:
+    user = _UserCollectives()
+    model = _model()
+    grc = spardl_grace.grace_from_params(dict(PARAMS))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = spardl_grace.DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters())
+    logged = []
+    for step, (x, y) in enumerate(batches(user.rank, user.size, STEPS)):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        logged.append(between_backward_and_step(user, step, loss.item()))
+        opt.step()
+    return {"params": flat_params(model), "logged": logged}
+
+
+def plain(_transport) -> dict:
+    """The loop with nothing between backward and step: what the others must equal."""
+    return _optimizer_loop(lambda user, step, loss: None)
+
+
+def allreduce_between_backward_and_step(_transport) -> dict:
+    """The loss all-reduced for logging while the library's buckets are in flight."""
+    return _optimizer_loop(lambda user, step, loss: user.allreduce(loss) / user.size)
+
+
+def barrier_between_backward_and_step(_transport) -> dict:
+    def between(user, step, loss):
+        user.barrier()
+    return _optimizer_loop(between)
+
+
+def object_broadcast_between_backward_and_step(_transport) -> dict:
+    """An object broadcast (a config, a random seed) between backward and step."""
+    return _optimizer_loop(lambda user, step, loss: user.broadcast_object({"step": step,
+                                                                           "from": user.rank}))
+
+
+BETWEEN_BACKWARD_AND_STEP = (plain, allreduce_between_backward_and_step,
+                             barrier_between_backward_and_step,
+                             object_broadcast_between_backward_and_step)
+
+
+def collectives_between_backward_and_step(transport) -> dict:
+    """Every pattern above in one job, one after the other."""
+    return {f.__name__: f(transport) for f in BETWEEN_BACKWARD_AND_STEP}
+
+
+def private_channels(transport) -> dict:
+    """Under torchrun (3 ranks): transports over the parts of a partition ([0, 1] and [2]),
+    each on a group of its own; ranks asking for overlapping groups all refuse; the shared
+    transport is made once; every default transport has a group of its own."""
+    import torch.distributed as dist
+
+    from spardl_grace.transport import default_transport, shared_transport
+    from spardl_grace.transport.torch_dist import TorchDistTransport
+    rank = dist.get_rank()
+    pair, alone, other_pair = dist.new_group([0, 1]), dist.new_group([2]), dist.new_group([1, 2])
+    part = TorchDistTransport(pair if rank < 2 else alone)
+    summed = part.allreduce(torch.tensor([float(rank + 1)]), "part")
+    try:
+        TorchDistTransport(pair if rank < 2 else other_pair)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    first, second = default_transport(), default_transport()
+    return {"part_size": part.size, "part_sum": float(summed), "refused": refused,
+            "shared_once": shared_transport() is shared_transport(),
+            "distinct": len({id(part.group), id(first.group), id(second.group),
+                             id(dist.group.WORLD)}) == 4}
