@@ -28,11 +28,14 @@ thread's on the same process group; by then backward has nothing left to overlap
 # No `from __future__ import annotations`: DDP compares comm_hook's annotations with the real
 # types (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
 import functools
+import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .api import Synchronizer
 from .registry import grace_from_params, resolve_params
@@ -56,8 +59,13 @@ class CommHookState:
     Two synchronisations with no optimizer step between them (gradient accumulation without
     DDP's no_sync) raise ValueError on every rank: DDP would hand the hook the accumulated
     gradient, already averaged once, and a sparse all-reduce would send part of it again
-    from the residuals. A step whose result was not finite (a GradScaler skips its optimizer
-    step) is exempt, and so is one with a bucket sent dense (its result is not checked)."""
+    from the residuals. A step is seen when a torch.optim optimizer holding these parameters
+    steps (any subclass, hand-written ones that write p.data included: torch calls its global
+    step hooks) or when a parameter changes in place (an update under torch.no_grad()). Where
+    neither is seen and no optimizer has ever stepped these parameters (an update of p.data
+    by a function of the user's), the hook cannot tell accumulation from an update and warns
+    once instead. A step whose result was not finite (a GradScaler skips its optimizer step)
+    is exempt, and so is one with a bucket sent dense (its result is not checked)."""
 
     def __init__(
         self,
@@ -90,7 +98,11 @@ class CommHookState:
         self._sync: GradientSync | None = None
         if isinstance(grace, Synchronizer):
             self._sync = self._build(grace)
-        self._versions_at_last_step: int | None = None
+        #: steps of torch.optim optimizers that hold these parameters (_count_optimizer_step)
+        self.optimizer_steps = 0
+        self._at_last_sync: tuple[int, int] | None = None
+        self._warned_unseen_step = False
+        _watch_optimizer_steps(self)
 
     def _build(self, grace: Synchronizer) -> GradientSync:
         warmup, min_numel, overlap, timeout = self._sync_args
@@ -119,12 +131,15 @@ class CommHookState:
         ), order
 
     def check_optimizer_stepped(self, previous_finite: bool) -> None:
-        """Called once a step is synchronised: ValueError if the parameters have not changed
-        in place (no optimizer step) since the previous synchronisation, when that one's result
-        was finite (previous_finite; see the class docstring)."""
-        versions = sum(p._version for p in self.names)
-        previous, self._versions_at_last_step = self._versions_at_last_step, versions
-        if previous == versions and previous_finite:
+        """Called once a step is synchronised: ValueError if no optimizer step was seen since
+        the previous synchronisation, when that one's result was finite (previous_finite) and
+        an optimizer has stepped these parameters before; a warning, once, when none ever has
+        (see the class docstring)."""
+        now = (sum(p._version for p in self.names), self.optimizer_steps)
+        previous, self._at_last_sync = self._at_last_sync, now
+        if previous != now or not previous_finite:
+            return
+        if self.optimizer_steps:
             raise ValueError(
                 "DDP synchronised the gradients twice without an optimizer step in between: "
                 "gradient accumulation needs DDP's no_sync() on every backward but the last "
@@ -132,6 +147,21 @@ class CommHookState:
                 "do this); otherwise the hook would compress the gradient averaged at the "
                 "previous backward again and count part of it twice"
             )
+        if not self._warned_unseen_step:
+            self._warned_unseen_step = True
+            warnings.warn(
+                "spardl_grace: DDP synchronised the gradients twice and no update of the "
+                "parameters was seen in between (no torch.optim step, no in-place change). "
+                "If your own code updates p.data, this is expected and you may ignore it; if "
+                "you accumulate gradients, use DDP's no_sync() on every backward but the last, "
+                "or part of the gradient is counted twice",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def holds_parameters_of(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` updates any of the parameters this state synchronises."""
+        return any(p in self.names for group in optimizer.param_groups for p in group["params"])
 
     @property
     def last_stats(self) -> dict[str, float]:
@@ -145,6 +175,24 @@ class CommHookState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """ValueError if written by a run with another number of workers."""
         self.sync.load_state_dict(state)
+
+
+# The live hook states, told of every optimizer step through torch's global step hook
+# (registered once, at the first state).
+_STATES: "weakref.WeakSet[CommHookState]" = weakref.WeakSet()
+_STEP_HOOK: list[Any] = []
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for state in list(_STATES):
+        if state.holds_parameters_of(optimizer):
+            state.optimizer_steps += 1
+
+
+def _watch_optimizer_steps(state: CommHookState) -> None:
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+    _STATES.add(state)
 
 
 def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

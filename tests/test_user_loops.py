@@ -45,3 +45,15 @@ def test_messages_travel_over_nccl_whenever_the_group_sends_cuda_tensors_with_it
     CPU build here has no NCCL to send with."""
     from spardl_grace.transport.torch_dist import comm_device
     assert comm_device(spec, cuda, current=1) == torch.device(device)
+
+
+def test_handwritten_optimizers_that_write_p_data_train_under_the_ddp_hook(tmp_path):
+    ranks = run_ranks("gloo", 3, "user_loops.handwritten_optimizers_under_the_ddp_hook",
+                      tmp_path, timeout=180)
+    sgd = ranks[0]["sgd"]["params"]
+    for r in ranks:
+        for name in ("sgd", "subclass", "bare"):
+            assert torch.equal(r[name]["params"], sgd), name
+            assert r[name]["steps"] == 6
+        assert r["sgd"]["warnings"] == [] and r["subclass"]["warnings"] == []
+        assert len(r["bare"]["warnings"]) == 1 and "p.data" in r["bare"]["warnings"][0]

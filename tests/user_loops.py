@@ -163,3 +163,58 @@ def private_channels(transport) -> dict:
             "shared_once": shared_transport() is shared_transport(),
             "distinct": len({id(part.group), id(first.group), id(second.group),
                              id(dist.group.WORLD)}) == 4}
+
+
+class _PDataSGD(torch.optim.Optimizer):
+    """Research code's optimizer: a torch.optim subclass that updates through p.data."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def _ddp_loop(update) -> dict:
+    """DDP with the hook, SparDL at 0.05; `update(model)` applies the step."""
+    import warnings
+
+    import torch.distributed as dist
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = spardl_grace.CommHookState(dict(PARAMS), ddp)
+    ddp.register_comm_hook(state, spardl_grace.comm_hook)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(dist.get_rank(), dist.get_world_size(), STEPS):
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            update(model)
+    return {"params": flat_params(model), "steps": state.sync.steps,
+            "warnings": [str(w.message) for w in caught if "spardl_grace" in str(w.message)]}
+
+
+def handwritten_optimizers_under_the_ddp_hook(_transport) -> dict:
+    """A torch.optim subclass and a bare function, both updating p.data (the hook raised
+    'synchronised twice without an optimizer step' on the second step: it read p._version,
+    which p.data.add_() never bumps); the bare function gives the hook nothing to see, so it
+    warns once; and plain SGD, which both must equal."""
+    def bare(model):
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.05)
+
+    out = {}
+    for name, make in (("sgd", lambda m: torch.optim.SGD(m.parameters(), lr=0.05)),
+                       ("subclass", lambda m: _PDataSGD(m.parameters(), lr=0.05))):
+        holder: dict = {}
+
+        def update(model, make=make, holder=holder):
+            if "opt" not in holder:
+                holder["opt"] = make(model)
+            holder["opt"].step()
+        out[name] = _ddp_loop(update)
+    out["bare"] = _ddp_loop(bare)
+    return out
