@@ -43,27 +43,60 @@ import torch.distributed
 from .transport.torch_dist import TorchDistTransport
 
 
+def _param_group(module: Any) -> Any:
+    """The FSDP parameter group of a fully_shard unit (None for a unit without parameters):
+    where FSDP2 keeps what set_gradient_divide_factor, set_force_sum_reduction_for_comms and
+    set_requires_all_reduce set. FSDP2 has setters for them and no getters, so they are read
+    where the setters write them."""
+    return module._get_fsdp_state()._fsdp_param_group
+
+
 class ReplicaHook:
     """The all-reduce hook of one fully_shard unit: replaces the unit's reduced gradient shard
-    (FSDP's reduce-scatter output, padding included) by its average over the replicas, as the
-    communicator `grace` computes it under the name `name` (its residual key)."""
+    (FSDP's reduce-scatter output, padding included) by its combination over the replicas, as
+    the communicator `grace` computes it under the name `name` (its residual key), so that the
+    gradient is HSDP's for the unit's settings:
 
-    def __init__(self, grace: Any, name: str):
+    - scale: with FSDP's default divide factor FSDP has averaged over the shard dimension (or
+      will divide by its size), and the replicas are averaged; after
+      set_gradient_divide_factor(D) FSDP divides by D alone, so the replicas are summed (the
+      average times their number: HSDP's sum, bit for bit where that number is a power of
+      two, within one rounding otherwise). set_force_sum_reduction_for_comms changes when FSDP
+      divides, not the result, so either way the gradient equals HSDP's;
+    - accumulation: after set_requires_all_reduce(False) the hook keeps the shard in a partial
+      sum of its own and hands FSDP zeros, and the next call with all-reduce required adds it
+      and synchronises once, as HSDP defers its all-reduce to the last micro-batch."""
+
+    def __init__(self, grace: Any, name: str, module: Any = None):
         self.grace = grace
         self.name = name
+        self.module = module
         self.bytes_sent = 0  # by this rank, across the replicas, over every call
+        self._partial: torch.Tensor | None = None
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         flat = reduce_output.view(-1)
-        flat.copy_(self.grace.step(flat, self.name))
+        group = _param_group(self.module) if self.module is not None else None
+        if group is not None and not group.all_reduce_grads:
+            self._partial = flat.clone() if self._partial is None else self._partial.add_(flat)
+            flat.zero_()
+            return
+        if self._partial is not None:
+            flat.add_(self._partial)
+            self._partial = None
+        result = self.grace.step(flat, self.name)
+        if group is not None and group.gradient_divide_factor is not None:
+            result = result * self.grace.transport.size
+        flat.copy_(result)
         self.bytes_sent += int(self.grace.last_stats.get("bytes_sent", 0))
 
 
 class SparseReduceScatter:
     """FSDP2's reduce-scatter (a torch.distributed.fsdp ReduceScatter) for one fully_shard
     unit: SparDL's Spar-Reduce-Scatter (`grace.reduce_scatter`) under the name `name` (its
-    residual key). FSDP's SUM and AVG are honoured; its input is zero-padded to a multiple of
-    the group's size, so each rank's block is its shard."""
+    residual key). FSDP's SUM, AVG and PREMUL_SUM (set_gradient_divide_factor's: the sum times
+    its factor) are honoured; its input is zero-padded to a multiple of the group's size, so
+    each rank's block is its shard."""
 
     def __init__(self, grace: Any, name: str):
         self.grace = grace
@@ -90,15 +123,18 @@ class SparseReduceScatter:
                 f"unit '{self.name}' reduce-scatters over another process group than the one "
                 "flat_shard built its communicator on: shard every unit with flat_shard"
             )
-        if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        # A PREMUL_SUM op is a ReduceOp carrying its factor; `op.op` is its kind.
+        kind = getattr(op, "op", op)
+        if kind not in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM):
             raise ValueError(
-                f"the sparse reduce-scatter honours FSDP's SUM and AVG, got {op!r} (FSDP asks "
-                "for PREMUL_SUM after set_gradient_divide_factor: divide the loss instead, or "
-                "use set_force_sum_reduction_for_comms(True))"
+                f"the sparse reduce-scatter honours FSDP's SUM, AVG and PREMUL_SUM (what "
+                f"set_gradient_divide_factor asks for), got {op!r}"
             )
         shard = self.grace.reduce_scatter(input_tensor.reshape(-1), self.name)
-        if op == ReduceOp.AVG:
+        if kind == ReduceOp.AVG:
             shard /= self.grace.transport.size
+        elif kind == ReduceOp.PREMUL_SUM:
+            shard *= op.factor
         output_tensor.view(-1).copy_(shard)
         self.bytes_sent += int(self.grace.last_stats.get("bytes_sent", 0))
         return None
@@ -163,7 +199,7 @@ def _check_mesh(mesh: Any, replicate: str, shard: str) -> None:
 
 def _fully_shard_units(
     model: torch.nn.Module,
-    units: Iterable[torch.nn.Module] | None,
+    units: Iterable[torch.nn.Module] | torch.nn.ModuleDict | None,
     mesh: Any,
     fully_shard_kwargs: Mapping[str, Any],
     caller: str,
@@ -175,12 +211,17 @@ def _fully_shard_units(
     from torch.distributed.fsdp import fully_shard
 
     names = {id(module): name for name, module in model.named_modules()}
-    chosen = (
-        list(units)
-        if units is not None
-        else [child for child in model.children() if any(True for _ in child.parameters())]
-    )
+    if units is None:
+        chosen = [child for child in model.children() if any(True for _ in child.parameters())]
+    else:
+        # A ModuleDict iterates over its keys (torchtitan keeps its blocks in one).
+        chosen = list(units.values() if isinstance(units, torch.nn.ModuleDict) else units)
     for unit in chosen:
+        if not isinstance(unit, torch.nn.Module):
+            raise TypeError(
+                f"{caller}'s units are modules (a ModuleList, a ModuleDict or any iterable "
+                f"of submodules of the model), got a {type(unit).__name__}"
+            )
         if id(unit) not in names or unit is model:
             raise ValueError(f"{caller}'s units must be submodules of the model")
     for unit in chosen:
@@ -193,17 +234,19 @@ def hybrid_shard(
     model: torch.nn.Module,
     mesh: Any,
     params: Mapping[str, Any],
-    units: Iterable[torch.nn.Module] | None = None,
+    units: Iterable[torch.nn.Module] | torch.nn.ModuleDict | None = None,
     *,
     replicate: str = "replicate",
     shard: str = "shard",
     **fully_shard_kwargs: Any,
 ) -> ShardSync:
-    """fully_shard each of `units` (default: every direct child of `model` that has
-    parameters) and then `model` over mesh[shard], and average each unit's gradient shard
-    across mesh[replicate] with the communicator grace_from_params(params) builds on that
-    dimension's process group. Returns the ShardSync. `fully_shard_kwargs` go to every
-    fully_shard call (mp_policy, reshard_after_forward, ...). ValueError for a mesh that is not
+    """fully_shard each of `units` (a ModuleList, a ModuleDict or any iterable of submodules;
+    default: every direct child of `model` that has parameters) and then `model` over
+    mesh[shard], and combine each unit's gradient shard across mesh[replicate] as HSDP would
+    (ReplicaHook: its divide factor, force-sum and set_requires_all_reduce honoured) with the
+    communicator grace_from_params(params) builds on that dimension's process group. Returns
+    the ShardSync. `fully_shard_kwargs` go to every fully_shard call (mp_policy,
+    reshard_after_forward, ...). ValueError for a mesh that is not
     2-D with those dimension names, and for params grace_from_params refuses."""
     from .registry import grace_from_params
 
@@ -211,7 +254,7 @@ def hybrid_shard(
     transport = TorchDistTransport(group=mesh[replicate].get_group())
     grace = grace_from_params(dict(params), transport=transport)
     modules = _fully_shard_units(model, units, mesh[shard], fully_shard_kwargs, "hybrid_shard")
-    hooks = {name: ReplicaHook(grace, name) for name in modules}
+    hooks = {name: ReplicaHook(grace, name, module) for name, module in modules.items()}
     for name, module in modules.items():
         module.set_all_reduce_hook(hooks[name])
     return ShardSync(grace, hooks, torch.distributed.get_rank())
@@ -220,13 +263,14 @@ def hybrid_shard(
 def flat_shard(
     model: torch.nn.Module,
     params: Mapping[str, Any],
-    units: Iterable[torch.nn.Module] | None = None,
+    units: Iterable[torch.nn.Module] | torch.nn.ModuleDict | None = None,
     *,
     mesh: Any = None,
     **fully_shard_kwargs: Any,
 ) -> ShardSync:
-    """fully_shard each of `units` (default: every direct child of `model` that has
-    parameters) and then `model` over the 1-D `mesh` (default: every rank), and make SparDL's
+    """fully_shard each of `units` (a ModuleList, a ModuleDict or any iterable of submodules;
+    default: every direct child of `model` that has parameters) and then `model` over the 1-D
+    `mesh` (default: every rank), and make SparDL's
     Spar-Reduce-Scatter each unit's reduce-scatter (a SparseReduceScatter), with the
     communicator grace_from_params(params) builds on the mesh's process group. Returns the
     ShardSync. `params` must choose the 'spardl' communicator (one team). `fully_shard_kwargs`

@@ -228,16 +228,72 @@ def flat_conserving_steps(transport) -> dict:
             "bytes_sent": sync.bytes_sent}
 
 
-def flat_refuses_a_divide_factor(transport) -> str:
-    """set_gradient_divide_factor makes FSDP ask for PREMUL_SUM: the error every rank raises."""
-    from spardl_grace.fsdp import flat_shard
-    model = _model()
-    flat_shard(model, {**SPARDL, "compress_ratio": 0.1})
+class _Titan(torch.nn.Module):
+    """torchtitan's layout: the blocks in a ModuleDict (model.layers), units given by it."""
+
+    def __init__(self):
+        super().__init__()
+        base = _model(integer=True)
+        self.layers = torch.nn.ModuleDict({"0": base[0], "1": base[2], "2": base[4]})
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers.values()):
+            x = layer(x) if i == 0 else layer(torch.relu(x))
+        return x
+
+
+def _titan_settings(model) -> None:
+    """What torchtitan sets on every FSDP module: the script normalises the loss itself."""
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
-            module.set_gradient_divide_factor(3.0)
-    try:
-        model(_batch(transport.rank, 0)).pow(2).sum().backward()
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _accumulate(model, rank: int, micro_batches: int) -> None:
+    """Micro-batches with the cross-replica all-reduce deferred to the last, as torchtitan
+    does (set_requires_all_reduce(False) before the others)."""
+    for micro in range(micro_batches):
+        model.set_requires_all_reduce(micro == micro_batches - 1)
+        model(_batch(rank, micro, integer=True)).pow(2).sum().backward()
+
+
+def torchtitan_settings_equal_native_hsdp(transport) -> dict:
+    """Integer data, a ModuleDict of units, divide factor 1 with force-sum on every module:
+    hybrid_shard at density 1 on the exact wire against FSDP's own HSDP, for one backward and
+    for two micro-batches with the all-reduce deferred; and how often the sparse sync ran."""
+    from torch.distributed.fsdp import fully_shard
+
+    from spardl_grace.fsdp import hybrid_shard
+    out = {}
+    for case, micro_batches in (("one", 1), ("accumulated", 2)):
+        mesh = _mesh()
+        hybrid = _Titan()
+        sync = hybrid_shard(hybrid, mesh, {**SPARDL, "compress_ratio": 1.0, "wire": "exact"},
+                            units=hybrid.layers)
+        native = _Titan()
+        for layer in native.layers.values():
+            fully_shard(layer, mesh=mesh)
+        fully_shard(native, mesh=mesh)
+        for model in (hybrid, native):
+            _titan_settings(model)
+            _accumulate(model, transport.rank, micro_batches)
+        out[case] = {"hybrid": _local_grads(hybrid), "native": _local_grads(native),
+                     "bytes_sent": sync.bytes_sent}
+    return out
+
+
+def flat_divide_factor(transport) -> dict:
+    """set_gradient_divide_factor(2) makes FSDP ask for PREMUL_SUM(1/2): flat_shard at density 1
+    against the same model under FSDP's default average (a divide factor of 4, the ranks),
+    on integer data: twice its gradient."""
+    out = {}
+    for case in ("factor2", "avg"):
+        flat, _ = _flat_pair(integer=True)
+        if case == "factor2":
+            for module in flat.modules():
+                if hasattr(module, "set_gradient_divide_factor"):
+                    module.set_gradient_divide_factor(2.0)
+        flat(_batch(transport.rank, 0, integer=True)).pow(2).sum().backward()
+        out[case] = _local_grads(flat)
+    return out

@@ -99,9 +99,26 @@ def test_flat_sparse_steps_conserve_mass_per_unit(launch):
         assert r["bytes_sent"] > 0
 
 
-def test_flat_refuses_fsdps_divide_factor_on_every_rank(launch):
-    for message in launch("gloo", 4, "fsdp_scenarios.flat_refuses_a_divide_factor"):
-        assert "honours FSDP's SUM and AVG" in message
+def test_flat_honours_fsdps_divide_factor(launch):
+    """It refused set_gradient_divide_factor (FSDP's PREMUL_SUM); now the shard is the sum
+    times the factor FSDP asks for, on every rank."""
+    for rank, got in enumerate(launch("gloo", 4, "fsdp_scenarios.flat_divide_factor")):
+        for factor2, avg in zip(got["factor2"], got["avg"]):
+            assert torch.equal(factor2, 2 * avg), rank
+
+
+def test_torchtitans_fsdp_settings_give_hsdps_gradients(launch):
+    """torchtitan's settings (divide factor 1, force-sum, its ModuleDict of blocks as units,
+    the all-reduce deferred to the last micro-batch): hybrid_shard's gradient shards are HSDP's
+    bit for bit at density 1 on integer data. Before, they were half of HSDP's (the replicas
+    were averaged where HSDP sums), the deferral was ignored (a sparse sync per micro-batch),
+    and the ModuleDict was refused."""
+    for rank, got in enumerate(launch("gloo", 4, "fsdp_scenarios.torchtitan_settings_equal_native_hsdp")):
+        for case in ("one", "accumulated"):
+            for hybrid, native in zip(got[case]["hybrid"], got[case]["native"]):
+                assert torch.equal(hybrid, native), (rank, case)
+        # one sparse sync per unit and step either way: the deferred micro-batch sent nothing
+        assert got["accumulated"]["bytes_sent"] == got["one"]["bytes_sent"] > 0
 
 
 def test_flat_shard_refuses_another_communicator_and_a_2d_mesh():
