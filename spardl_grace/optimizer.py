@@ -17,6 +17,7 @@ deadlock. step() waits for the results, writes the averages into .grad, and step
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -168,6 +169,9 @@ class _DistributedOptimizer:
         self._names = {p: n for n, p in named}
         self._passes = dict.fromkeys(self._slot_of, 0)
         self._pending: list[torch.futures.Future[torch.Tensor]] = []
+        # Autograd runs a model on two devices on two threads, each calling _on_gradient:
+        # counting a gradient and launching the buckets whose turn has come is one step.
+        self._launching = threading.Lock()
         self._flat_pool = BufferPool()  # each bucket's flat gradients, reused once released
         self._synchronized = False
         self._should_synchronize = True
@@ -190,6 +194,10 @@ class _DistributedOptimizer:
         return self._sync.last_stats
 
     def _on_gradient(self, p: torch.nn.Parameter) -> None:
+        with self._launching:
+            self._count_gradient(p)
+
+    def _count_gradient(self, p: torch.nn.Parameter) -> None:
         self._passes[p] += 1
         if self._passes[p] > self.backward_passes_per_step:
             raise RuntimeError(
@@ -256,8 +264,9 @@ class _DistributedOptimizer:
         """Finish this step's communication and write the averaged gradients into .grad.
         Buckets whose gradients never arrived (unused parameters) are sent with zeros for
         the missing ones, so every rank takes part in every bucket."""
-        while len(self._pending) < len(self._slots):
-            self._launch(self._slots[len(self._pending)])
+        with self._launching:
+            while len(self._pending) < len(self._slots):
+                self._launch(self._slots[len(self._pending)])
         try:
             self._sync.wait_queued()  # within the transport's timeout, unlike future.wait()
             for slot, future in zip(self._slots, self._pending):

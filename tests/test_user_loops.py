@@ -57,3 +57,56 @@ def test_handwritten_optimizers_that_write_p_data_train_under_the_ddp_hook(tmp_p
             assert r[name]["steps"] == 6
         assert r["sgd"]["warnings"] == [] and r["subclass"]["warnings"] == []
         assert len(r["bare"]["warnings"]) == 1 and "p.data" in r["bare"]["warnings"][0]
+
+
+def test_gradients_arriving_on_two_autograd_threads_launch_each_bucket_once():
+    """Autograd runs a model on two devices on two threads, and both call the optimizer's
+    gradient hook. Only one device is here, so two threads call the hook directly with each
+    half of the parameters (each launch held up a millisecond so that they interleave); every
+    bucket is launched once, in order, and the ranks agree on what they averaged."""
+    import sys
+    import threading
+    import time
+
+    from spardl_grace import DistributedOptimizer, grace_from_params, run_local
+
+    def fn(transport):
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(24)])
+        grc = grace_from_params({"communicator": "allreduce", "compressor": "none",
+                                 "memory": "none"}, transport=transport)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grc,
+                                   named_parameters=model.named_parameters(),
+                                   bucket_cap_mb=0.0005)
+        submit = opt._sync.submit
+
+        def slow_submit(*args):  # the other thread runs while a bucket is being launched
+            time.sleep(0.001)
+            return submit(*args)
+        opt._sync.submit = slow_submit
+        params = list(model.parameters())
+        launched = []
+        for trial in range(20):
+            for p in params:
+                p.grad = torch.full_like(p, float(trial + transport.rank))
+            backward_order = params[::-1]  # the last layer's gradients come first
+            halves = [backward_order[0::2], backward_order[1::2]]
+            threads = [threading.Thread(target=lambda ps: [opt._on_gradient(p) for p in ps],
+                                        args=(half,)) for half in halves]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            launched.append(len(opt._pending))
+            opt.synchronize()
+            assert all(torch.equal(p.grad, torch.full_like(p, trial + 0.5)) for p in params)
+            opt.zero_grad()
+        return launched, len(opt._slots)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        results = run_local(2, fn)
+    finally:
+        sys.setswitchinterval(interval)
+    for launched, slots in results:
+        assert slots > 10 and launched == [slots] * 20
