@@ -39,7 +39,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .api import Synchronizer
 from .registry import grace_from_params, resolve_params
-from .sync import FIRST_STEP_TIMEOUT_S, Bucket, GradientSync, settle
+from .sync import (
+    FIRST_STEP_TIMEOUT_S,
+    Bucket,
+    GradientSync,
+    check_dense_path_keeps_momentum,
+    settle,
+)
 
 
 class CommHookState:
@@ -81,7 +87,10 @@ class CommHookState:
                 f"model must be the DDP module (or the module it wraps), got {type(model).__name__}"
             )
         if isinstance(grace, Mapping):
-            resolve_params(dict(grace))  # bad keys raise now, not at the first step
+            resolved = resolve_params(dict(grace))  # bad keys raise now, not at the first step
+            check_dense_path_keeps_momentum(
+                resolved["momentum_correction"], dense_warmup_steps, min_numel
+            )
         elif not isinstance(grace, Synchronizer):
             raise TypeError(
                 "grace must be a communicator from grace_from_params(...) or a dict of its "

@@ -146,6 +146,22 @@ def settle(future: torch.futures.Future) -> None:
         return
 
 
+def check_dense_path_keeps_momentum(
+    momentum_correction: float, dense_warmup_steps: int, min_numel: int
+) -> None:
+    """ValueError for momentum correction beside a dense path: the momentum lives in the
+    memory, and dense steps (dense_warmup_steps) and dense buckets (min_numel) bypass it, so
+    they would train without any momentum (the optimizer's must be off)."""
+    if momentum_correction and (dense_warmup_steps or min_numel):
+        raise ValueError(
+            f"momentum correction ({momentum_correction}) keeps the momentum in the memory, "
+            f"which dense steps and dense buckets bypass: with dense_warmup_steps="
+            f"{dense_warmup_steps} and min_numel={min_numel} they would train without "
+            "momentum. Warm up with the density instead (grace_from_params' "
+            "'density_warmup_steps', whose stages keep the momentum) and leave min_numel at 0"
+        )
+
+
 class GradientSync:
     """Synchronises the buckets of one model with a grace communicator: the asynchronous core
     that DistributedOptimizer and the DDP hook share.
@@ -202,6 +218,9 @@ class GradientSync:
         ):
             raise ValueError(f"first_step_timeout must be > 0 seconds, got {first_step_timeout!r}")
         self.first_step_timeout = float(first_step_timeout)
+        check_dense_path_keeps_momentum(
+            getattr(grace.memory, "momentum_correction", 0.0), dense_warmup_steps, min_numel
+        )
         self.grace = grace
         grace.reuse_results = True  # each result is copied into the gradients before the next step
         self.dense = Dense(NoneMemory(), grace.transport)

@@ -110,3 +110,30 @@ def test_gradients_arriving_on_two_autograd_threads_launch_each_bucket_once():
         sys.setswitchinterval(interval)
     for launched, slots in results:
         assert slots > 10 and launched == [slots] * 20
+
+
+def test_momentum_correction_beside_a_dense_path_is_refused_before_training():
+    """Dense steps and dense buckets bypass the memory that holds the momentum: they trained
+    with no momentum at all (the optimizer's must be off), silently. Refused at construction,
+    by DistributedOptimizer and by the DDP hook's state (given a communicator or its keys)."""
+    from spardl_grace import CommHookState, DistributedOptimizer, grace_from_params, run_local
+    params = {"communicator": "spardl", "memory": "global_residual", "compressor": "topk",
+              "compress_ratio": 0.1, "momentum_correction": 0.9}
+
+    def fn(transport):
+        model = torch.nn.Linear(4, 4)
+        grc = grace_from_params(dict(params), transport=transport)
+        errors = []
+        for kwargs in ({"dense_warmup_steps": 2}, {"min_numel": 64}):
+            with pytest.raises(ValueError, match="train without momentum") as caught:
+                DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grc,
+                                     named_parameters=model.named_parameters(), **kwargs)
+            errors.append(str(caught.value))
+            with pytest.raises(ValueError, match="density_warmup_steps"):
+                CommHookState(dict(params), model, **kwargs)
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grc,
+                             named_parameters=model.named_parameters())  # no dense path: fine
+        return errors
+
+    for errors in run_local(2, fn):
+        assert len(errors) == 2
