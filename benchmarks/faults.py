@@ -197,8 +197,20 @@ def trial(launcher: str, fault: str, args: argparse.Namespace, rng: random.Rando
     return {"launcher": launcher, "fault": fault, "after_start_s": round(delay, 3),
             "exit_code": code, "hung": code is None, "ended_after_fault_s": ended_s,
             "survivor_exited_after_fault_s": survivor_s,
-            "raised": next((name for name in ("TransportTimeout", "TransportError") if name in text), None),
+            "raised": library_noticed(text),
             "error_exit": code not in (None, 0)}
+
+
+#: what a surviving rank's output holds when the library noticed the fault: the transports'
+#: errors, or the start-up watchdog's stack (a fault during MPI_Init; see
+#: spardl_grace.transport.mpi.start_mpi_or_exit_after)
+NOTICED = {"TransportTimeout": "TransportTimeout", "TransportError": "TransportError",
+           "start_mpi_or_exit_after": "StartupTimeout"}
+
+
+def library_noticed(text: str) -> str | None:
+    """Which of NOTICED a run's output shows, or None when the launcher alone ended it."""
+    return next((name for marker, name in NOTICED.items() if marker in text), None)
 
 
 def _wait(proc: subprocess.Popen, seconds: float) -> int | None:

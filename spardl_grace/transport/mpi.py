@@ -7,8 +7,11 @@ own, and a peer that died must not leave this rank waiting forever.
 
 from __future__ import annotations
 
+import faulthandler
+import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,22 +41,43 @@ def _np_bytes(t: torch.Tensor) -> np.ndarray:
     return as_bytes(t.detach().cpu()).numpy()
 
 
+def start_mpi_or_exit_after(timeout: float) -> Any:
+    """mpi4py's MPI module. Its first import runs MPI_Init, which waits for every rank of the
+    job with no timeout of its own and holds the GIL meanwhile, so a peer frozen during
+    start-up would hold this rank there forever (seen under load, where start-up is slow and
+    a fault lands in it). faulthandler's watchdog, a C thread, ends the process after
+    `timeout` seconds with status 1 and the stack of this call ("Timeout" and this function's
+    name in the output); mpirun then ends the job. It replaces any faulthandler timer of the
+    process's own for the duration of the call."""
+    if "mpi4py.MPI" in sys.modules:
+        return sys.modules["mpi4py.MPI"]
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        from mpi4py import MPI
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return MPI
+
+
 class MPITransport(Transport):
     """Transport over an mpi4py communicator (COMM_WORLD by default).
 
-    The library's messages travel on a duplicate of it (`comm.Dup()`, made at construction:
-    collective over `comm`), a communication context of their own, so that no message,
-    collective or barrier of the user's on `comm` can match one of the library's."""
+    The library's messages travel on a duplicate of it (`comm.Idup()`, made at construction:
+    collective over `comm`, within the timeout), a communication context of their own, so that
+    no message, collective or barrier of the user's on `comm` can match one of the library's."""
 
     def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT_S):
-        from mpi4py import MPI
-
+        MPI = start_mpi_or_exit_after(timeout)
         self._MPI = MPI
         self.user_comm = comm if comm is not None else MPI.COMM_WORLD
-        self.comm = self.user_comm.Dup()
+        self.comm = self.user_comm
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = timeout
+        # Non-blocking, so that a peer that never joins ends in TransportTimeout, not a hang.
+        private, request = self.user_comm.Idup()
+        self._wait([request], "duplicate the communicator")
+        self.comm = private
         self.thread_safe = MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
     def _wait(self, requests, name: str, statuses: list | None = None) -> None:
