@@ -15,7 +15,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .base import DEFAULT_TIMEOUT_S, QueuedOp, Transport, TransportError, _check_1d
+from .base import (
+    DEFAULT_TIMEOUT_S,
+    QueuedOp,
+    Transport,
+    TransportError,
+    _check_1d,
+    exit_with_failure,
+    fail_job_at_exit,
+)
 from .p2p import RECV, SEND, P2POps, PointToPoint, backend_failure
 
 #: backends that take a single name in new_group; anything else is passed as its config
@@ -39,7 +47,7 @@ def comm_device(spec: str, cuda_available: bool, current: int = 0) -> torch.devi
     return torch.device("cpu")
 
 
-def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+def private_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup:
     """A new process group of `group`'s ranks (the default group's when None) and backends,
     for the library's traffic alone, so that no collective of the user's, on any group of
     theirs, can pair with one of the library's.
@@ -48,7 +56,10 @@ def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     its own group when the groups partition the ranks (an FSDP mesh's replica groups). The
     ranks first share which groups they asked for, then make every one of them in the same
     order (torch.distributed's rule for new_group); groups that overlap without being equal are
-    refused on every rank."""
+    refused on every rank. The new groups' backends time out after `timeout` seconds (the
+    transport's): with torch's default of 30 minutes, a gloo worker thread still waiting for a
+    frozen peer after the transport gave up kept the process from exiting, since the group's
+    destructor joins that thread."""
     spec = backend_spec(group)
     mine = sorted(dist.get_process_group_ranks(group)) if group is not None else None
     world = dist.get_world_size()
@@ -64,7 +75,7 @@ def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     rank = dist.get_rank()
     made = None
     for members in groups:
-        made_now = dist.new_group(list(members), backend=spec)
+        made_now = dist.new_group(list(members), backend=spec, timeout=timedelta(seconds=timeout))
         if rank in members:
             made = made_now
     assert made is not None  # every rank asked for a group holding itself
@@ -91,7 +102,7 @@ class TorchDistTransport(PointToPoint, Transport):
             )
         self.backend = backend_spec(group)
         self.user_group = group
-        self.group = private_group(group)
+        self.group = private_group(group, timeout)
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self.timeout = timeout
@@ -112,6 +123,9 @@ class TorchDistTransport(PointToPoint, Transport):
             raise self._failure(exc, name) from exc
 
     def _failure(self, exc: RuntimeError, name: str) -> TransportError:
+        # A backend thread may still wait for the failed peer, and the interpreter's exit
+        # would join it: end the process at exit instead, with a failure.
+        fail_job_at_exit("torch", exit_with_failure)
         return backend_failure(exc, self.rank, name)
 
     def _p2p(self, ops: P2POps, name: str) -> None:
