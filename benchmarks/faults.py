@@ -202,10 +202,11 @@ def trial(launcher: str, fault: str, args: argparse.Namespace, rng: random.Rando
 
 
 #: what a surviving rank's output holds when the library noticed the fault: the transports'
-#: errors, or the start-up watchdog's stack (a fault during MPI_Init; see
-#: spardl_grace.transport.mpi.start_mpi_or_exit_after)
+#: errors, or the start-up watchdog's stack (a fault during MPI's or Horovod's start-up; see
+#: spardl_grace.transport.base.exit_if_not_done_within)
 NOTICED = {"TransportTimeout": "TransportTimeout", "TransportError": "TransportError",
-           "start_mpi_or_exit_after": "StartupTimeout"}
+           "start_mpi_or_exit_after": "StartupTimeout",
+           "start_horovod_or_exit_after": "StartupTimeout"}
 
 
 def library_noticed(text: str) -> str | None:

@@ -8,11 +8,16 @@ One added line after prepare:
         'compressor': 'topk', 'memory': 'global_residual', 'communicator': 'spardl',
         'compress_ratio': 0.01})
 
-The hook's state (every rank's residuals and schedules, spardl_grace.trainers.AllRanksState)
-is registered for checkpointing, so `accelerator.save_state(dir)` writes it beside the model
-and optimizer, and `accelerator.load_state(dir)` restores it: a resumed run continues bit for
-bit like one never stopped. Gradient accumulation works inside `accelerator.accumulate(model)`
-(DDP's no_sync on every micro-batch but the last). Tested with Accelerate 1.15.
+The hook's state (residuals and schedules) is saved by every rank into a file of its own
+in the checkpoint folder (spardl_grace.trainers.PerRankFiles, through Accelerate's save and
+load pre-hooks: no collective, one rank's state in memory), so `accelerator.save_state(dir)`
+writes it beside the model and optimizer, and `accelerator.load_state(dir)` restores it: a
+resumed run continues bit for bit like one never stopped (with `use_seedable_sampler=True`:
+Accelerate's default sampler does not restore the data order, for dense DDP either). Call
+save_state on every rank; a checkpoint saved from the main process alone holds rank 0's state
+only, and resuming from it raises on every rank, naming the fix. Gradient accumulation works
+inside `accelerator.accumulate(model)` (DDP's no_sync on every micro-batch but the last).
+Tested with Accelerate 1.15.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 
 from .api import Synchronizer
 from .ddp import CommHookState, comm_hook
-from .trainers import AllRanksState
+from .trainers import PerRankFiles
 
 
 def register_comm_hook(
@@ -33,8 +38,9 @@ def register_comm_hook(
     grace: Synchronizer | Mapping[str, Any] | CommHookState,
     **state_options: Any,
 ) -> CommHookState:
-    """Register spardl_grace.comm_hook on `model` (what accelerator.prepare returned) and the
-    compression state with accelerator.register_for_checkpointing; returns the state.
+    """Register spardl_grace.comm_hook on `model` (what accelerator.prepare returned), and the
+    compression state's per-rank files with accelerator's save and load pre-hooks; returns the
+    state.
 
     grace: GRACE's parameters (a dict), a communicator from grace_from_params, or a
     CommHookState built for this model. state_options: CommHookState's keywords
@@ -47,8 +53,10 @@ def register_comm_hook(
             f"the model is a {type(model).__name__} (Accelerate's distributed type "
             f"{getattr(kind, 'value', kind)}), not the DistributedDataParallel module that "
             "accelerator.prepare builds for 2 or more processes on CPUs or GPUs (MULTI_CPU, "
-            "MULTI_GPU): pass prepare's result, launched with accelerate launch or torchrun; "
-            "for FSDP see spardl_grace.fsdp"
+            "MULTI_GPU): pass prepare's result, launched with accelerate launch or torchrun "
+            "(on a machine without GPUs under torchrun, build Accelerator(cpu=True), or each "
+            "worker trains alone; or launch with accelerate launch --multi_gpu or "
+            "--mpirun_hostfile); for FSDP see spardl_grace.fsdp"
         )
     hooks = getattr(model, "_comm_hooks", [])
     if hooks:
@@ -67,5 +75,7 @@ def register_comm_hook(
     else:
         state = CommHookState(grace, model, **state_options)
     model.register_comm_hook(state, comm_hook)
-    accelerator.register_for_checkpointing(AllRanksState(state))
+    files = PerRankFiles(state)
+    accelerator.register_save_state_pre_hook(lambda models, weights, folder: files.save(folder))
+    accelerator.register_load_state_pre_hook(lambda models, folder: files.load(folder))
     return state

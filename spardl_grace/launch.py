@@ -128,10 +128,9 @@ def join(
             "or horovodrun, or use spardl_grace.run_local for threads"
         )
     if kind == "horovod":
-        import horovod.torch as hvd
+        from .transport.horovod import start_horovod_or_exit_after
 
-        if not hvd.is_initialized():
-            hvd.init()
+        start_horovod_or_exit_after(timeout)
     elif kind == "torchrun":
         import torch.distributed as dist
 

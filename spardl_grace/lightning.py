@@ -29,6 +29,7 @@ package is not installed). Tested with Lightning 2.6.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,8 +106,22 @@ class SparseAllreduce(pl.Callback):
         model.register_comm_hook(self.state, comm_hook)
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's compression state (a collective: Lightning asks every rank)."""
+        """Every rank's compression state, gathered to rank 0, which Lightning writes (a
+        collective: Lightning asks every rank)."""
         return AllRanksState(self._built()).state_dict()
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Warn when the checkpoint holds no state of this callback (Lightning then skips
+        load_state_dict, and the residuals start afresh)."""
+        if self.state_key not in checkpoint.get("callbacks", {}):
+            warnings.warn(
+                "spardl_grace: the checkpoint holds no compression state of this callback; "
+                "the residuals start afresh (a checkpoint written without it)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """This rank's part of a state_dict() (ValueError with another number of ranks)."""

@@ -39,8 +39,10 @@ def test_lightning_resumes_bit_identically_from_its_own_checkpoint(launch):
 
 
 def test_accelerate_resumes_bit_identically_from_save_state(launch):
-    """register_comm_hook after prepare: save_state holds both ranks' compression state, and
-    load_state continues bit for bit; loading without it does not; a second hook is refused."""
+    """register_comm_hook after prepare: save_state writes each rank's compression state, and
+    load_state continues bit for bit; loading without it does not; a save from the main
+    process alone neither stalls nor resumes silently (every rank raises); a checkpoint
+    without the state warns; a second hook is refused."""
     results = launch("gloo", 2, "trainer_scenarios.accelerate_resume", timeout=300)
     _same_on_every_rank(results, ["straight", "resumed", "without_state"])
     r = results[0]
@@ -50,6 +52,12 @@ def test_accelerate_resumes_bit_identically_from_save_state(launch):
     assert r["residual_norm"] > 0 and r["steps"] == 24
     assert 0 < r["bytes_sent"] < 0.5 * DENSE_BYTES
     assert "already has a communication hook" in r["twice"]
+    for r in results:
+        # saving from the main process alone stalled 313 s and ended in TransportTimeout (the
+        # state's gather was a collective); now it saves rank 0's file, and resuming raises
+        assert r["main_only_s"] < 60
+        assert "missing: ranks [1]" in r["main_only"] and "is_main_process" in r["main_only"]
+        assert len(r["no_state"]) == 1 and "holds no compression state" in r["no_state"][0]
 
 
 def test_gradient_accumulation_needs_no_sync(launch):

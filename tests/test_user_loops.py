@@ -137,3 +137,25 @@ def test_momentum_correction_beside_a_dense_path_is_refused_before_training():
 
     for errors in run_local(2, fn):
         assert len(errors) == 2
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_the_loops_users_write_train_with_identical_replicas(launcher, tmp_path):
+    """Evaluation with all-reduced metrics mid-epoch, a GAN (two models, two optimizers), AMP
+    with a GradScaler and clipping, unused parameters (and under torchrun, DDP's
+    find_unused_parameters, torch.compile and a user's own subgroup for metrics): every rank
+    ends with the same parameters; compile trains as eager does, and the loops that only add
+    the user's own communication end with the plain loop's bits."""
+    ranks = run_ranks(launcher, 3, "user_loops.more_patterns", tmp_path, timeout=420)
+    for pattern, result in ranks[0].items():
+        for rank, other in enumerate(ranks):
+            assert torch.equal(other[pattern]["params"], result["params"]), (pattern, rank)
+        assert torch.isfinite(result["params"]).all(), pattern
+    plain = ranks[0]["plain"]["params"]
+    assert torch.equal(ranks[0]["evaluation_mid_epoch"]["params"], plain)
+    assert len(ranks[0]["evaluation_mid_epoch"]["logged"]) == 3
+    if launcher == "gloo":
+        assert torch.equal(ranks[0]["own_subgroup_for_metrics"]["params"], plain)
+        assert ranks[0]["own_subgroup_for_metrics"]["logged"] == \
+            ranks[1]["own_subgroup_for_metrics"]["logged"]
+        assert torch.allclose(ranks[0]["compiled_model"]["params"], plain, atol=1e-5)

@@ -134,18 +134,12 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rows], y[rows]
 
 
-class _Ignored:
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-def _accelerate_run(first: int, load: bool, register: bool = True,
-                    save: bool = False) -> tuple[object, torch.nn.Module, object]:
+def _accelerate_run(first: int, load: bool, register: bool = True, save: bool = False,
+                    folder: str = "accelerate",
+                    main_only: bool = False) -> tuple[object, torch.nn.Module, object]:
     """Train steps first..STEPS-1 from a fresh model with a new Accelerator (after load_state
-    when `load`); with `save`, save_state after step SAVE_AT - 1."""
+    from `folder` when `load`); with `save`, save_state after step SAVE_AT - 1 (on the main
+    process alone with `main_only`, as many scripts do)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
@@ -154,28 +148,44 @@ def _accelerate_run(first: int, load: bool, register: bool = True,
     model, optimizer = accelerator.prepare(model, optimizer)
     if register:
         state = spardl_grace.accelerate.register_comm_hook(accelerator, model, PARAMS)
-    else:  # the hook by hand; the saved compression state is read and dropped
+    else:  # the hook by hand: the saved compression state is not read
         state = spardl_grace.CommHookState(PARAMS, model)
         model.register_comm_hook(state, spardl_grace.comm_hook)
-        accelerator.register_for_checkpointing(_Ignored())
     if load:
-        accelerator.load_state(str(outdir() / "accelerate"))
+        accelerator.load_state(str(outdir() / folder))
     for step in range(first, STEPS):
         x, y = _batch(step, accelerator.process_index)
         optimizer.zero_grad()
         accelerator.backward(F.mse_loss(model(x), y))
         optimizer.step()
-        if save and step == SAVE_AT - 1:
-            accelerator.save_state(str(outdir() / "accelerate"))
+        if save and step == SAVE_AT - 1 and (accelerator.is_main_process or not main_only):
+            accelerator.save_state(str(outdir() / folder))
     return accelerator, model, state
 
 
 def accelerate_resume(transport) -> dict:
     """STEPS steps straight (saving at SAVE_AT); the same resumed from the saved state; resumed
     without the compression state; then the errors for a second hook."""
+    import time
+    import warnings
+
     accelerator, straight, state = _accelerate_run(0, load=False, save=True)
     _, resumed, _ = _accelerate_run(SAVE_AT, load=True)
     _, without_state, _ = _accelerate_run(SAVE_AT, load=True, register=False)
+    # saved from the main process alone: no stall; resuming from it raises on every rank
+    started = time.monotonic()
+    _accelerate_run(0, load=False, save=True, folder="main_only", main_only=True)
+    main_only_s = time.monotonic() - started
+    try:
+        _accelerate_run(SAVE_AT, load=True, folder="main_only")
+        main_only = ""
+    except ValueError as exc:
+        main_only = str(exc)
+    # a checkpoint without the compression state (saved with the hook by hand): a warning
+    _accelerate_run(0, load=False, register=False, save=True, folder="no_state")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _accelerate_run(SAVE_AT, load=True, folder="no_state")
     try:
         spardl_grace.accelerate.register_comm_hook(accelerator, straight, PARAMS)
         twice = ""
@@ -184,7 +194,9 @@ def accelerate_resume(transport) -> dict:
     return {"straight": flat(straight), "resumed": flat(resumed),
             "without_state": flat(without_state), "residual_norm": residual_norm(state),
             "bytes_sent": state.last_stats["bytes_sent"], "steps": state.sync.steps,
-            "distributed_type": str(accelerator.distributed_type), "twice": twice}
+            "distributed_type": str(accelerator.distributed_type), "twice": twice,
+            "main_only_s": main_only_s, "main_only": main_only,
+            "no_state": [str(w.message) for w in caught if "spardl_grace" in str(w.message)]}
 
 
 def accumulation(transport) -> dict:

@@ -218,3 +218,162 @@ def handwritten_optimizers_under_the_ddp_hook(_transport) -> dict:
         out[name] = _ddp_loop(update)
     out["bare"] = _ddp_loop(bare)
     return out
+
+
+def _distributed_optimizer(model, lr: float = 0.05):
+    grc = spardl_grace.grace_from_params(dict(PARAMS))
+    sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return spardl_grace.DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters())
+
+
+def evaluation_mid_epoch(_transport) -> dict:
+    """Every other step the model is evaluated and its accuracy all-reduced (the user's
+    collective, on the launcher's API) before training goes on."""
+    user = _UserCollectives()
+    model = _model()
+    opt = _distributed_optimizer(model)
+    accuracies = []
+    for step, (x, y) in enumerate(batches(user.rank, user.size, STEPS)):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step % 2 == 1:
+            model.eval()
+            with torch.no_grad():
+                correct = float((model(x).argmax(1) == y).float().mean())
+            accuracies.append(user.allreduce(correct) / user.size)
+            model.train()
+    return {"params": flat_params(model), "logged": accuracies}
+
+
+def gan(_transport) -> dict:
+    """Two models, two DistributedOptimizers (a GAN): the discriminator's step, then the
+    generator's through the frozen discriminator."""
+    user = _UserCollectives()
+    g = torch.Generator().manual_seed(7)
+    generator = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 784))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(784, 64), torch.nn.ReLU(),
+                                        torch.nn.Linear(64, 1))
+    for p in [*generator.parameters(), *discriminator.parameters()]:
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    opt_g, opt_d = _distributed_optimizer(generator), _distributed_optimizer(discriminator)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    noise = torch.Generator().manual_seed(100 + user.rank)
+    for x, _ in batches(user.rank, user.size, STEPS):
+        z = torch.randn(len(x), 16, generator=noise)
+        opt_d.zero_grad()
+        fake = generator(z)
+        loss_d = bce(discriminator(x), torch.ones(len(x), 1)) + \
+            bce(discriminator(fake.detach()), torch.zeros(len(x), 1))
+        loss_d.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        discriminator.requires_grad_(False)
+        bce(discriminator(fake), torch.ones(len(x), 1)).backward()
+        discriminator.requires_grad_(True)
+        opt_g.step()
+    return {"params": torch.cat([flat_params(generator), flat_params(discriminator)]),
+            "logged": []}
+
+
+def amp_with_grad_scaler_and_clipping(_transport) -> dict:
+    """bfloat16 autocast, a GradScaler, and clipping of the averaged gradients: synchronize(),
+    unscale, clip, then step inside skip_synchronize() (Horovod's recipe)."""
+    user = _UserCollectives()
+    model = _model()
+    opt = _distributed_optimizer(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for x, y in batches(user.rank, user.size, STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+    return {"params": flat_params(model), "logged": []}
+
+
+class _Branchy(torch.nn.Module):
+    """A head used only on odd steps: its parameters get no gradient on even ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.other = _model(), torch.nn.Linear(10, 10), torch.nn.Linear(10, 10)
+
+    def forward(self, x, odd: bool):
+        return (self.head if odd else self.other)(self.body(x))
+
+
+def unused_parameters(_transport) -> dict:
+    """Parameters that get no gradient on some steps, through DistributedOptimizer and through
+    DDP (find_unused_parameters=True) with the hook."""
+    user = _UserCollectives()
+    out = []
+    for wrap in ("optimizer", "ddp") if user.kind == "torchrun" else ("optimizer",):
+        torch.manual_seed(3)
+        model = _Branchy()
+        if wrap == "optimizer":
+            opt, net = _distributed_optimizer(model), model
+        else:
+            net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+            state = spardl_grace.CommHookState(dict(PARAMS), net)
+            net.register_comm_hook(state, spardl_grace.comm_hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step, (x, y) in enumerate(batches(user.rank, user.size, STEPS)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x, step % 2 == 1), y).backward()
+            opt.step()
+        out.append(flat_params(model))
+    return {"params": torch.cat(out), "logged": []}
+
+
+def compiled_model(_transport) -> dict:
+    """A model wrapped by torch.compile, its optimizer by DistributedOptimizer: the same bits
+    as the loop without compile (plain())."""
+    user = _UserCollectives()
+    model = _model()
+    compiled = torch.compile(model)
+    opt = _distributed_optimizer(model)
+    for x, y in batches(user.rank, user.size, STEPS):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(compiled(x), y).backward()
+        opt.step()
+    return {"params": flat_params(model), "logged": []}
+
+
+def own_subgroup_for_metrics(_transport) -> dict:
+    """The user makes a subgroup of ranks 0 and 1 (after the library made its channel) and
+    all-reduces the loss on it between backward and step; rank 2 does not take part."""
+    import torch.distributed as dist
+    user = _UserCollectives()
+    model = _model()
+    opt = _distributed_optimizer(model)
+    pair = dist.new_group([0, 1])
+    logged = []
+    for x, y in batches(user.rank, user.size, STEPS):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if user.rank < 2:
+            t = loss.detach().reshape(1).clone()
+            dist.all_reduce(t, group=pair)
+            logged.append(float(t))
+        opt.step()
+    return {"params": flat_params(model), "logged": logged if user.rank < 2 else None}
+
+
+MORE_PATTERNS = (evaluation_mid_epoch, gan, amp_with_grad_scaler_and_clipping, unused_parameters)
+
+
+def more_patterns(transport) -> dict:
+    """The patterns every launcher has, and under torchrun compile and a user's subgroup."""
+    patterns = list(MORE_PATTERNS)
+    if _UserCollectives().kind == "torchrun":
+        patterns += [compiled_model, own_subgroup_for_metrics]
+    return {"plain": plain(transport), **{f.__name__: f(transport) for f in patterns}}

@@ -12,6 +12,7 @@ device of the tensor the caller passed in.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import sys
 from abc import ABC, abstractmethod
@@ -196,6 +197,20 @@ def fail_job_at_exit(backend: str, end: Callable[[], None]) -> None:
         end()
 
     atexit.register(flush_and_end)
+
+
+@contextmanager
+def exit_if_not_done_within(timeout: float) -> Iterator[None]:
+    """Within the block, end the process with status 1 and every thread's stack after
+    `timeout` seconds. For start-up calls that wait for every rank with no timeout of their
+    own and hold the GIL meanwhile (MPI_Init, Horovod's init), where a frozen peer would hold
+    this rank forever: faulthandler's watchdog is a C thread and needs no GIL. It replaces any
+    faulthandler timer of the process's own for the duration of the block."""
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def exit_with_failure() -> None:

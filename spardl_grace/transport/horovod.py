@@ -39,6 +39,7 @@ from .base import (
     _check_1d,
     as_bytes,
     check_received,
+    exit_if_not_done_within,
     exit_with_failure,
     fail_job_at_exit,
     from_bytes,
@@ -57,6 +58,19 @@ P2P_ENV = "SPARDL_HOROVOD_P2P"
 # which a channel could not be opened is not tried again (each try may wait out a timeout).
 _OPENED: dict[tuple[int, int], int] = {}
 _UNREACHABLE: set[tuple[int, int]] = set()
+
+
+def start_horovod_or_exit_after(timeout: float) -> None:
+    """hvd.init() unless Horovod is running. Its rendezvous waits for every rank up to
+    Horovod's own timeout (HOROVOD_GLOO_TIMEOUT_SECONDS, 30 s by default, or forever under
+    MPI) holding the GIL, so a peer frozen during start-up held this rank beyond the
+    library's timeout: the watchdog (exit_if_not_done_within) ends the process after
+    `timeout` seconds with status 1 and the stack of this call, and horovodrun the job."""
+    import horovod.torch as hvd
+
+    if not hvd.is_initialized():
+        with exit_if_not_done_within(timeout):
+            hvd.init()
 
 
 class HorovodTransport(PointToPoint, Transport):

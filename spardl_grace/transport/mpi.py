@@ -7,7 +7,6 @@ own, and a peer that died must not leave this rank waiting forever.
 
 from __future__ import annotations
 
-import faulthandler
 import sys
 import time
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from .base import (
     _check_1d,
     as_bytes,
     check_received,
+    exit_if_not_done_within,
     fail_job_at_exit,
     from_bytes,
 )
@@ -45,17 +45,13 @@ def start_mpi_or_exit_after(timeout: float) -> Any:
     """mpi4py's MPI module. Its first import runs MPI_Init, which waits for every rank of the
     job with no timeout of its own and holds the GIL meanwhile, so a peer frozen during
     start-up would hold this rank there forever (seen under load, where start-up is slow and
-    a fault lands in it). faulthandler's watchdog, a C thread, ends the process after
+    a fault lands in it). The watchdog (exit_if_not_done_within) ends the process after
     `timeout` seconds with status 1 and the stack of this call ("Timeout" and this function's
-    name in the output); mpirun then ends the job. It replaces any faulthandler timer of the
-    process's own for the duration of the call."""
+    name in the output); mpirun then ends the job."""
     if "mpi4py.MPI" in sys.modules:
         return sys.modules["mpi4py.MPI"]
-    faulthandler.dump_traceback_later(timeout, exit=True)
-    try:
+    with exit_if_not_done_within(timeout):
         from mpi4py import MPI
-    finally:
-        faulthandler.cancel_dump_traceback_later()
     return MPI
 
 
