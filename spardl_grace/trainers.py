@@ -102,6 +102,7 @@ class PerRankFiles:
         self.stem = stem
 
     def path(self, folder: str | os.PathLike, rank: int) -> Path:
+        """Where rank `rank`'s state lies in the checkpoint folder `folder`."""
         return Path(folder) / f"{self.stem}_rank{rank}.pt"
 
     def save(self, folder: str | os.PathLike) -> Path:

@@ -159,3 +159,22 @@ def test_the_loops_users_write_train_with_identical_replicas(launcher, tmp_path)
         assert ranks[0]["own_subgroup_for_metrics"]["logged"] == \
             ranks[1]["own_subgroup_for_metrics"]["logged"]
         assert torch.allclose(ranks[0]["compiled_model"]["params"], plain, atol=1e-5)
+
+
+def test_the_stress_run_counts_passes_and_names_bad_options(tmp_path, capsys):
+    """benchmarks.user_loops (outside CI it runs each job 20 times): one run of one job, and
+    its refusals."""
+    import json
+
+    from benchmarks import user_loops
+    out = tmp_path / "stress.json"
+    result = user_loops.main(["--runs", "1", "--jobs", "handwritten_optimizers_under_the_ddp_hook",
+                              "--launchers", "gloo,mpi", "--json", str(out)])
+    assert [(r["job"], r["launcher"], r["pass"]) for r in result["summary"]] == [
+        ("handwritten_optimizers_under_the_ddp_hook", "gloo", 1)]  # DDP's hook: torchrun only
+    assert json.loads(out.read_text())["summary"] == result["summary"]
+    for bad, what in ((["--jobs", "gan"], "unknown job 'gan'"),
+                      (["--launchers", "slurm"], "unknown launcher 'slurm'")):
+        with pytest.raises(SystemExit):
+            user_loops.parse_args(bad)
+        assert what in capsys.readouterr().err
