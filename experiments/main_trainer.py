@@ -146,6 +146,8 @@ def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -
         params["wire"] = args.wire
     if args.min_entries is not None:
         params["min_entries"] = args.min_entries
+    if args.adam_freeze_step:
+        params["adam_freeze_step"] = args.adam_freeze_step
     return {**params, **library_warmup(args, steps_per_epoch)}
 
 
@@ -242,6 +244,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-entries", type=int, default=None,
                    help="the sparse all-reduces' floor on entries a tensor sends a step "
                         "(grace_from_params' 'min_entries'; default: the library's)")
+    p.add_argument("--adam-freeze-step", type=int, default=0,
+                   help="with --optimizer adamw and this library's algorithm: the first N steps "
+                        "dense, then AdamW's second moment frozen so that its update is linear "
+                        "in the sparse gradient (grace_from_params' 'adam_freeze_step'; "
+                        "DistributedOptimizer only, not --ddp-hook or --fsdp)")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
     p.add_argument("--value", default="polyfit")
@@ -317,6 +324,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(f"--bandwidth: {exc}")
     baseline = args.compression and args.compressor in BASELINES
+    if args.adam_freeze_step and (args.optimizer != "adamw" or baseline or args.ddp_hook
+                                  or args.fsdp or args.adam_freeze_step < 0):
+        p.error("--adam-freeze-step N (N >= 1) freezes AdamW's second moment in this library's "
+                "DistributedOptimizer: it needs --optimizer adamw, and neither a torch_* "
+                "baseline, --ddp-hook nor --fsdp (their optimizers step on their own)")
     if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
     if args.bucket_cap_mb is not None and baseline and args.compressor == "torch_powersgd":

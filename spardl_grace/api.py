@@ -290,6 +290,9 @@ class Synchronizer(ABC):
     step), which saves a gradient-sized allocation per step."""
 
     reuse_results = False
+    #: grace_from_params' 'adam_freeze_step': DistributedOptimizer freezes an Adam's second
+    #: moment after this many dense steps (spardl_grace.frozen_adam; 0: off)
+    adam_freeze_step = 0
     #: attributes that differ between ranks by design (a rank's place in a schedule), left out
     #: of the fingerprint the ranks agree on
     RANK_LOCAL: tuple[str, ...] = ()

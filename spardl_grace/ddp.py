@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .api import Synchronizer
+from .frozen_adam import refuse_without_the_step
 from .registry import grace_from_params, resolve_params
 from .sync import (
     FIRST_STEP_TIMEOUT_S,
@@ -91,6 +92,7 @@ class CommHookState:
             check_dense_path_keeps_momentum(
                 resolved["momentum_correction"], dense_warmup_steps, min_numel
             )
+            refuse_without_the_step(resolved["adam_freeze_step"], "the DDP hook")
         elif not isinstance(grace, Synchronizer):
             raise TypeError(
                 "grace must be a communicator from grace_from_params(...) or a dict of its "
@@ -106,6 +108,7 @@ class CommHookState:
         self._sync_args = (dense_warmup_steps, min_numel, overlap, first_step_timeout)
         self._sync: GradientSync | None = None
         if isinstance(grace, Synchronizer):
+            refuse_without_the_step(grace.adam_freeze_step, "the DDP hook")
             self._sync = self._build(grace)
         #: steps of torch.optim optimizers that hold these parameters (_count_optimizer_step)
         self.optimizer_steps = 0

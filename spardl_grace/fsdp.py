@@ -40,6 +40,7 @@ from typing import Any, cast
 import torch
 import torch.distributed
 
+from .frozen_adam import refuse_without_the_step
 from .transport.torch_dist import TorchDistTransport
 
 
@@ -253,6 +254,7 @@ def hybrid_shard(
     _check_mesh(mesh, replicate, shard)
     transport = TorchDistTransport(group=mesh[replicate].get_group())
     grace = grace_from_params(dict(params), transport=transport)
+    refuse_without_the_step(grace.adam_freeze_step, "FSDP2")
     modules = _fully_shard_units(model, units, mesh[shard], fully_shard_kwargs, "hybrid_shard")
     hooks = {name: ReplicaHook(grace, name, module) for name, module in modules.items()}
     for name, module in modules.items():
@@ -296,6 +298,7 @@ def flat_shard(
         mesh = init_device_mesh(_device_type(model), (torch.distributed.get_world_size(),))
     transport = TorchDistTransport(group=mesh.get_group())
     grace = cast(SparDL, grace_from_params(dict(params), transport=transport))
+    refuse_without_the_step(grace.adam_freeze_step, "FSDP2")
     modules = _fully_shard_units(model, units, mesh, fully_shard_kwargs, "flat_shard")
     comms = {name: SparseReduceScatter(grace, name) for name in modules}
     for name, module in modules.items():

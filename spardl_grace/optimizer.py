@@ -27,6 +27,7 @@ import torch
 
 from .api import Synchronizer, communication_dtype
 from .buffers import BufferPool
+from .frozen_adam import check_optimizer, frozen_step
 from .fusion import assign_grads, flatten_grads
 from .horovod_compat import (
     check_compression,
@@ -152,14 +153,22 @@ class _DistributedOptimizer:
         first_step_timeout: float,
         scale: tuple[float, float] = (1.0, 1.0),
         sparse_as_dense: bool = False,
+        adam_freeze_step: int = 0,
     ) -> None:
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(
                 f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
             )
+        # The steps before Adam's variance freezes are the dense ones that estimate it.
         self._sync = GradientSync(
-            grace, dense_warmup_steps, min_numel, overlap, "spardl-comm", first_step_timeout
+            grace,
+            max(dense_warmup_steps, adam_freeze_step),
+            min_numel,
+            overlap,
+            "spardl-comm",
+            first_step_timeout,
         )
+        self._adam_freeze_step = adam_freeze_step
         self.backward_passes_per_step = backward_passes_per_step
         self._slots = [_BucketSlot(m) for m in buckets]
         self._scale_before, self._scale_after = scale
@@ -304,6 +313,13 @@ class _DistributedOptimizer:
             else:
                 self.synchronize()
         self._synchronized = False
+        if self._adam_freeze_step and self._sync.steps > self._adam_freeze_step:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            frozen_step(cast(torch.optim.Optimizer, self))
+            return loss
         # The wrapped optimizer's class follows this mixin in the MRO (see DistributedOptimizer).
         return super().step(closure)  # type: ignore[misc]
 
@@ -403,7 +419,10 @@ def DistributedOptimizer(
         choices.
     bucket_cap_mb: fuse gradients into buckets of at most this size (None: one bucket per
         device and dtype, the whole model); not with groups.
-    dense_warmup_steps: the first steps are synchronised dense.
+    dense_warmup_steps: the first steps are synchronised dense. With grace_from_params'
+        'adam_freeze_step' W (an Adam or AdamW only), the first W steps are dense whatever
+        this says, and from step W on step() runs the optimizer's update with its second
+        moment frozen (spardl_grace.frozen_adam).
     min_numel: buckets smaller than this are synchronised dense.
     overlap: communicate from a background thread while backward goes on (off automatically
         for an MPI library without thread support).
@@ -434,6 +453,8 @@ def DistributedOptimizer(
         if bucket_cap_mb is not None:
             raise ValueError("pass groups (Horovod's) or bucket_cap_mb, not both")
     _check_momentum(optimizer, grace)
+    if grace.adam_freeze_step:
+        check_optimizer(optimizer, grace.adam_freeze_step)
     named = _named(optimizer, named_parameters)
     explicit = parameter_groups(groups, num_groups, [p for _, p in named])
     cls: type[_DistributedOptimizer] = type(
@@ -454,5 +475,6 @@ def DistributedOptimizer(
         first_step_timeout,
         (before, after),
         sparse_as_dense,
+        grace.adam_freeze_step,
     )
     return cast(torch.optim.Optimizer, wrapped)  # cls derives from the optimizer's own class

@@ -321,6 +321,15 @@ PARAMS: tuple[Param, ...] = (
         int_at_least(0),
     ),
     ranged(
+        "adam_freeze_step",
+        0,
+        "with torch.optim.Adam or AdamW under DistributedOptimizer: the first this many steps "
+        "are synchronised dense and the optimizer runs as it is, then its second moment is "
+        "frozen and the update becomes linear in the synchronised gradient, so what error "
+        "feedback holds back arrives with its full weight (1-bit Adam's remedy; 0: off)",
+        int_at_least(0),
+    ),
+    ranged(
         "min_entries",
         DEFAULT_MIN_ENTRIES,
         "a floor for the sparse all-reduces: every tensor sends at least about this many "
@@ -484,6 +493,11 @@ def _check_combination(p: dict[str, Any], coded: bool) -> None:
                 f"memory {mem!r}, communicator {comm!r} (GRACE's 'dgc' memory has its "
                 "own momentum)"
             )
+    if p["adam_freeze_step"] and comm == "dense":
+        raise ValueError(
+            "'adam_freeze_step' makes Adam's update linear for a compressed gradient; "
+            "communicator 'dense' sends it whole, so leave it at 0"
+        )
     if p["checksum"] and comm not in SPARSE_ALLREDUCES:
         raise ValueError(
             f"'checksum' guards the messages of the sparse all-reduces "
@@ -599,6 +613,7 @@ def grace_from_params(
         _check_ignored_compressor(algorithm, given["compressor"])
     memory = given["memory"] if "memory" in given else MEMORIES[p["memory"]](p)
     built = algorithm.build(compressor, memory, transport, p, codec)
+    built.adam_freeze_step = p["adam_freeze_step"]
     if algorithm.family == "sparse" and isinstance(built, SparseAllreduce):
         built.set_density_warmup(p["density_warmup_steps"], p["density_warmup_start"])
         built.set_min_entries(p["min_entries"])

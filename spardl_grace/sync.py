@@ -382,6 +382,10 @@ class GradientSync:
                             "parameters": list(bucket.names),
                             "numels": list(bucket.numels),
                             "compression_state_step": self.steps,
+                            # ranks whose dense steps end at different steps would pair a
+                            # dense all-reduce with a sparse exchange
+                            "dense_warmup_steps": self.dense_warmup_steps,
+                            "adam_freeze_step": self.grace.adam_freeze_step,
                         },
                     )
             except ValueError as exc:

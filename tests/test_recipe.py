@@ -84,3 +84,15 @@ def test_clipping_bounds_the_global_norm():
     recipe.clip(model, 1.0)
     norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
     assert norm == pytest.approx(1.0, rel=1e-5)
+
+
+def test_adam_freeze_step_reaches_the_library_and_is_refused_where_it_cannot_act(capsys):
+    args = _args("--optimizer", "adamw", "--compression", "--adam-freeze-step", "50")
+    assert main_trainer.grace_params(args)["adam_freeze_step"] == 50
+    for extra in (["--compression", "--adam-freeze-step", "50"],  # sgd
+                  ["--optimizer", "adamw", "--compression", "--ddp-hook", "--adam-freeze-step", "5"],
+                  ["--optimizer", "adamw", "--compression", "--compressor", "torch_powersgd",
+                   "--adam-freeze-step", "5"]):
+        with pytest.raises(SystemExit):
+            _args(*extra)
+        assert "--adam-freeze-step N (N >= 1) freezes AdamW's second moment" in capsys.readouterr().err
