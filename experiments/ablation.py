@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -57,7 +58,8 @@ DEFAULT_CONFIGS = "dense,spardl,spardl+warmup,spardl+mc,spardl+clip,spardl+warmu
 # then moved up to a period later, so that its last step averages the models).
 TORCH_BASELINES = {"fp16": ("torch_fp16", None),
                    "powersgd": ("torch_powersgd", "--powersgd-rank"),
-                   "postlocal": ("torch_postlocal", "--postlocal-period")}
+                   "postlocal": ("torch_postlocal", "--postlocal-period"),
+                   "diloco": ("diloco", "--diloco-period")}  # not torch's, but as plain
 START_FRACTION = 0.1
 
 
@@ -92,8 +94,11 @@ def config_options(config: str, total_steps: int = 0) -> list[str]:
     if "floor" not in techniques:
         options += ["--min-entries", "0"]  # so that a config's density is the density sent
     for t in techniques:
+        if t == "adamfreeze":  # dense for the steps PowerSGD's hook runs dense, then frozen
+            options += ["--adam-freeze-step", str(max(1, round(START_FRACTION * total_steps)))]
+            continue
         if t not in TECHNIQUES:
-            raise ValueError(f"unknown technique {t!r}; valid: {', '.join(TECHNIQUES)}")
+            raise ValueError(f"unknown technique {t!r}; valid: {', '.join(TECHNIQUES)}, adamfreeze")
         options += TECHNIQUES[t]
     return options
 
@@ -191,6 +196,7 @@ def run(args: argparse.Namespace, config: str, seed: int) -> dict:
     final = log["run"][-1]
     bytes_run, train_s, steps = whole_run(log)
     result = {"config": config, "seed": seed, "test_accuracy": final["test_accuracy"],
+              "test_loss": final["test_loss"],
               "train_loss": final["train_loss"], "bytes_run": bytes_run,
               "dense_bytes": final["dense_bytes_per_step"], "train_s": train_s, "steps": steps}
     run_record.write_text(json.dumps(result))
@@ -222,9 +228,11 @@ def summarise(results: list[dict], configs: list[str]) -> list[dict]:
     rows = []
     for config in configs:
         runs = [r for r in results if r["config"] == config]
+        # runs recorded before test_loss was kept have none
+        keys = ("test_accuracy", "train_loss", "bytes_run", "train_s",
+                *(("test_loss",) if all("test_loss" in r for r in runs) else ()))
         rows.append({"config": config, "seeds": len(runs),
-                     **{k: spread([r[k] for r in runs]) for k in
-                        ("test_accuracy", "train_loss", "bytes_run", "train_s")},
+                     **{k: spread([r[k] for r in runs]) for k in keys},
                      "dense_bytes": runs[0]["dense_bytes"]})
     return rows
 
@@ -245,6 +253,13 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
             f"| {r['config']} ({r['seeds']} seeds) | {acc['mean']:.4f} ({acc['min']:.4f}..{acc['max']:.4f}) | {gap} "
             f"| {r['train_loss']['mean']:.3f} | {r['bytes_run']['mean']:,.0f} "
             f"| {r['bytes_run']['mean'] / r['dense_bytes']:.4f} |")
+    if all("test_loss" in r for r in rows):
+        lines += ["", "| config | test loss | vs dense | perplexity |", "|---|---|---|---|"]
+        for r in rows:
+            loss = r["test_loss"]
+            gap = f"{loss['mean'] - dense['test_loss']['mean']:+.4f}" if dense else "-"
+            lines.append(f"| {r['config']} | {loss['mean']:.4f} ({loss['min']:.4f}..{loss['max']:.4f})"
+                         f" | {gap} | {math.exp(loss['mean']):.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -17,11 +17,11 @@ topka, topkdsa, gtopk, oktopk, gaussiank, dense), a GRACE compressor (topk, rand
 which then runs with GRACE's memory and communicator for it, or one of PyTorch's own choices
 as they ship: DistributedDataParallel (torch_ddp) with its fp16 hook (torch_fp16), its
 PowerSGD hook (torch_powersgd, --powersgd-rank) or post-local SGD (torch_postlocal,
---postlocal-period).
+--postlocal-period); or DiLoCo (diloco, --diloco-period: experiments.diloco).
 
-The recipe is the reference one: SGD with momentum 0.9 and weight decay 1e-4, the learning
-rate warmed up linearly from lr/P over --warmup-epochs, then multiplied by 0.1 at each epoch in
---lr-decay. With --momentum-correction m (DGC) the momentum moves into the gradient memory and
+The recipe (experiments.recipe) is by default the reference one: SGD with momentum 0.9 and
+weight decay 1e-4, the learning rate warmed up linearly from lr/P over --warmup-epochs, then
+multiplied by 0.1 at each epoch in --lr-decay; --optimizer adamw is the transformer's. With --momentum-correction m (DGC) the momentum moves into the gradient memory and
 SGD runs without its own, with weight decay 1e-4/(1-m) (the same steady-state decay).
 Evaluation (on rank 0, every --eval-every steps and after each epoch) is not counted in the
 training time, which --time-budget bounds and --target-accuracy measures against (a resumed
@@ -68,7 +68,8 @@ GRACE_PAIRS = {
     "efsignsgd": ("efsignsgd", "allgather"), "onebit": ("residual", "allgather"),
     "natural": ("none", "allgather"),
 }
-BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd", "torch_postlocal")  # experiments.baselines
+BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd", "torch_postlocal",  # experiments.baselines
+             "diloco")  # experiments.diloco
 COMPRESSORS = (*SPARSE_ALLREDUCES, *GRACE_PAIRS, *BASELINES)
 # DGC's density warm-up over this many first epochs is the sparse all-reduces' default: of
 # DGC's techniques it alone brought SparDL near dense in the recorded ablation
@@ -220,6 +221,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--postlocal-start-iter", type=int, default=100,
                    help="torch_postlocal: DDP's gradient all-reduce before this step, local SGD "
                         "from it (start_localSGD_iter, the averager's warm_up steps)")
+    p.add_argument("--diloco-period", type=int, default=50,
+                   help="diloco: inner steps between outer steps (DiLoCo's H)")
     p.add_argument("--teams", type=int, default=1, help="SparDL's d")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="fuse gradients into buckets of at most this many MB, each synchronised "
@@ -314,6 +317,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.powersgd_rank < 1 or args.powersgd_start_iter < 2:
         p.error("--powersgd-rank must be >= 1 and --powersgd-start-iter >= 2 (torch's hook "
                 "needs one plain step before it starts its error feedback)")
+    if args.diloco_period < 1:
+        p.error(f"--diloco-period must be >= 1, got {args.diloco_period}")
     if args.postlocal_period < 2 or args.postlocal_start_iter < 0:
         p.error("--postlocal-period must be >= 2 (1 is plain DDP) and --postlocal-start-iter "
                 ">= 0")
@@ -678,6 +683,9 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport,
     sparse all-reduce when `steps_per_epoch` is known."""
     import spardl_grace
     optimizer = recipe.make_optimizer(args, model)
+    if args.compression and args.compressor == "diloco":
+        from experiments.diloco import DiLoCoSync
+        return DiLoCoSync(model, optimizer, args.diloco_period), None
     if args.compression and args.compressor in BASELINES:
         from experiments.baselines import TorchDDPSync
         postlocal = args.compressor == "torch_postlocal"

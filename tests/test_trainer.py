@@ -429,11 +429,12 @@ def test_torchs_own_ddp_hooks_train_identical_replicas(tmp_path, baseline):
     the CLI on 2 real gloo workers; PowerSGD starts compressing after 2 steps and then sends
     less; post-local SGD all-reduces gradients for 3 steps, then averages the models at steps
     3 and 5 (period 2) and trains locally at step 4: the last step averaged, so the replicas
-    end identical, and the last 3 steps sent 2 of 3 dense steps' bytes."""
+    end identical, and the last 3 steps sent 2 of 3 dense steps' bytes. DiLoCo (H = 3) takes
+    its outer steps after steps 3 and 6: one dense all-reduce in 3 steps, identical replicas."""
     cmd = [sys.executable, "-m", "experiments.main_trainer", "--dnn", "fashioncnn",
            "--dataset", "digits", "--compression", "--compressor", baseline, "--batch-size", "16",
            "--max-steps", "6", "--powersgd-rank", "2", "--powersgd-start-iter", "2",
-           "--postlocal-start-iter", "3", "--postlocal-period", "2",
+           "--postlocal-start-iter", "3", "--postlocal-period", "2", "--diloco-period", "3",
            "--eval-every", "3", "--nworkers", "2", "--out", str(tmp_path), "--timeout", "60"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -444,7 +445,8 @@ def test_torchs_own_ddp_hooks_train_identical_replicas(tmp_path, baseline):
     evals = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "eval"]
     late = evals[-1]["bytes_sent_per_step"]
-    expected = {"torch_ddp": dense, "torch_fp16": dense / 2, "torch_postlocal": 2 * dense / 3}
+    expected = {"torch_ddp": dense, "torch_fp16": dense / 2, "torch_postlocal": 2 * dense / 3,
+                "diloco": dense / 3}
     if baseline in expected:
         assert late == expected[baseline]
     else:
@@ -755,6 +757,12 @@ def test_ablation_configs_for_the_accuracy_per_byte_front():
         start = int(options[-1])
         assert options[-4:-1] == ["--postlocal-period", str(period), "--postlocal-start-iter"]
         assert 374 <= start < 374 + period and (3743 - start) % period == 0
+    # the transformer front's: AdamW frozen after PowerSGD's dense start, and DiLoCo
+    assert ablation.config_options("spardl@0.01+adamfreeze", 3744)[-2:] == [
+        "--adam-freeze-step", "374"]
+    assert ablation.config_options("diloco20", 3744) == [
+        "--compression", "--compressor", "diloco", "--density-warmup", "0",
+        "--diloco-period", "20"]
     for bad, match in [("powersgd", "write powersgdN"), ("powersgd0", "a whole number"),
                        ("fp162", "write fp16"), ("spardl@1.5", "must be a number in"),
                        ("dense@0.1", "only the learning-rate"), ("postlocal4+mc", "PyTorch's own")]:
