@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .api import Synchronizer
 from .frozen_adam import refuse_without_the_step
+from .momentum import watch
 from .registry import grace_from_params, resolve_params
 from .sync import (
     FIRST_STEP_TIMEOUT_S,
@@ -93,6 +94,7 @@ class CommHookState:
                 resolved["momentum_correction"], dense_warmup_steps, min_numel
             )
             refuse_without_the_step(resolved["adam_freeze_step"], "the DDP hook")
+            self.momentum_correction = resolved["momentum_correction"]
         elif not isinstance(grace, Synchronizer):
             raise TypeError(
                 "grace must be a communicator from grace_from_params(...) or a dict of its "
@@ -109,12 +111,14 @@ class CommHookState:
         self._sync: GradientSync | None = None
         if isinstance(grace, Synchronizer):
             refuse_without_the_step(grace.adam_freeze_step, "the DDP hook")
+            self.momentum_correction = getattr(grace.memory, "momentum_correction", 0.0)
             self._sync = self._build(grace)
         #: steps of torch.optim optimizers that hold these parameters (_count_optimizer_step)
         self.optimizer_steps = 0
         self._at_last_sync: tuple[int, int] | None = None
         self._warned_unseen_step = False
         _watch_optimizer_steps(self)
+        watch(inner, self, "the DDP hook")
 
     def _build(self, grace: Synchronizer) -> GradientSync:
         warmup, min_numel, overlap, timeout = self._sync_args

@@ -34,6 +34,7 @@ half of FSDP's traffic in fp32).
 from __future__ import annotations
 
 import io
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
@@ -41,6 +42,7 @@ import torch
 import torch.distributed
 
 from .frozen_adam import refuse_without_the_step
+from .momentum import watch
 from .transport.torch_dist import TorchDistTransport
 
 
@@ -155,11 +157,30 @@ class ShardSync:
     and each rank's state is saved under its own key (as bytes) and comes back to that rank."""
 
     def __init__(
-        self, grace: Any, hooks: Mapping[str, ReplicaHook | SparseReduceScatter], rank: int
+        self,
+        grace: Any,
+        hooks: Mapping[str, ReplicaHook | SparseReduceScatter],
+        rank: int,
+        model: torch.nn.Module | None = None,
     ):
+        """`model`: the sharded model, whose optimizer's momentum momentum correction takes
+        over for each step (spardl_grace.momentum)."""
         self.grace = grace
         self.hooks = dict(hooks)
         self._key = f"rank{rank}"
+        self.momentum_correction = getattr(grace.memory, "momentum_correction", 0.0)
+        self._model = weakref.ref(model) if model is not None else None
+        if model is not None:
+            watch(model, self, "FSDP2")
+
+    def holds_parameters_of(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` updates any parameter of the sharded model."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return False
+        # by identity: a set of tensors would compare them with ==, elementwise
+        mine = {id(p) for p in model.parameters()}
+        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
     @property
     def bytes_sent(self) -> int:
@@ -259,7 +280,7 @@ def hybrid_shard(
     hooks = {name: ReplicaHook(grace, name, module) for name, module in modules.items()}
     for name, module in modules.items():
         module.set_all_reduce_hook(hooks[name])
-    return ShardSync(grace, hooks, torch.distributed.get_rank())
+    return ShardSync(grace, hooks, torch.distributed.get_rank(), model)
 
 
 def flat_shard(
@@ -305,7 +326,7 @@ def flat_shard(
         # torch exports the ReduceScatter interface only from a private module:
         # SparseReduceScatter implements it (allocate, __call__) without subclassing it.
         module.set_custom_reduce_scatter(comms[name])
-    return ShardSync(grace, comms, torch.distributed.get_rank())
+    return ShardSync(grace, comms, torch.distributed.get_rank(), model)
 
 
 def _device_type(model: torch.nn.Module) -> str:

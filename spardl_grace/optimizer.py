@@ -37,6 +37,8 @@ from .horovod_compat import (
     parameter_groups,
     scale_factors,
 )
+from .memories.residual import ResidualMemory
+from .momentum import momentum_handed_over, taken_over_groups, uses_nesterov
 from .sync import FIRST_STEP_TIMEOUT_S, Bucket, GradientSync
 
 
@@ -169,6 +171,7 @@ class _DistributedOptimizer:
             first_step_timeout,
         )
         self._adam_freeze_step = adam_freeze_step
+        self._momentum_correction = getattr(grace.memory, "momentum_correction", 0.0)
         self.backward_passes_per_step = backward_passes_per_step
         self._slots = [_BucketSlot(m) for m in buckets]
         self._scale_before, self._scale_after = scale
@@ -320,8 +323,10 @@ class _DistributedOptimizer:
                     loss = closure()
             frozen_step(cast(torch.optim.Optimizer, self))
             return loss
-        # The wrapped optimizer's class follows this mixin in the MRO (see DistributedOptimizer).
-        return super().step(closure)  # type: ignore[misc]
+        with momentum_handed_over(cast(torch.optim.Optimizer, self), self._momentum_correction):
+            # The wrapped optimizer's class follows this mixin in the MRO (see
+            # DistributedOptimizer).
+            return super().step(closure)  # type: ignore[misc]
 
     def _creates_state(self) -> bool:
         """Whether this step() only creates the optimizer's state: Horovod's
@@ -337,8 +342,10 @@ class _DistributedOptimizer:
         """The wrapped optimizer's step on the zero gradients, creating its state, with the
         parameters put back (weight decay would move them on these ranks only)."""
         before = [p.detach().clone() for p in self._slot_of]
-        # The wrapped optimizer's class follows this mixin in the MRO (see DistributedOptimizer).
-        result = super().step(closure)  # type: ignore[misc]
+        with momentum_handed_over(cast(torch.optim.Optimizer, self), self._momentum_correction):
+            # The wrapped optimizer's class follows this mixin in the MRO (see
+            # DistributedOptimizer).
+            result = super().step(closure)  # type: ignore[misc]
         with torch.no_grad():
             for p, kept in zip(self._slot_of, before):
                 p.copy_(kept)
@@ -364,18 +371,6 @@ class _DistributedOptimizer:
         """Resume from compression_state_dict(); ValueError if it was written by a run with
         another number of workers (residuals and schedules do not carry over)."""
         self._sync.load_state_dict(state)
-
-
-def _check_momentum(optimizer: torch.optim.Optimizer, grace: Synchronizer) -> None:
-    """Momentum correction moves the momentum into the memory; a second momentum in the
-    optimizer would apply it twice (DGC runs plain SGD on the synchronised result)."""
-    mc = getattr(grace.memory, "momentum_correction", 0.0)
-    if mc and any(group.get("momentum", 0) for group in optimizer.param_groups):
-        raise ValueError(
-            f"the grace memory applies momentum correction ({mc}) to the gradients "
-            "before they are synchronised: give the optimizer momentum=0 (to keep "
-            "weight decay's steady-state effect, scale it by 1/(1 - momentum))"
-        )
 
 
 def DistributedOptimizer(
@@ -452,7 +447,10 @@ def DistributedOptimizer(
     if groups is not None or num_groups:
         if bucket_cap_mb is not None:
             raise ValueError("pass groups (Horovod's) or bucket_cap_mb, not both")
-    _check_momentum(optimizer, grace)
+    mc = getattr(grace.memory, "momentum_correction", 0.0)
+    if mc:  # only ResidualMemory has momentum_correction, and with it nesterov
+        memory = cast(ResidualMemory, grace.memory)
+        memory.nesterov = uses_nesterov(taken_over_groups(optimizer, mc))
     if grace.adam_freeze_step:
         check_optimizer(optimizer, grace.adam_freeze_step)
     named = _named(optimizer, named_parameters)

@@ -129,18 +129,78 @@ def test_bad_settings_name_the_valid_choices(bad, message):
     assert message in str(err.value)
 
 
-def test_optimizer_with_its_own_momentum_is_refused():
+MC_PARAMS = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
+             "compress_ratio": 0.1, "momentum_correction": 0.9, "min_entries": 0}
+
+
+def _mc_run(t, make_optimizer, steps: int = 5, nesterov_memory: bool | None = None) -> dict:
+    """`steps` steps of DistributedOptimizer under momentum correction 0.9 on this rank's
+    data; the parameters, the optimizer's groups after the run, and its state's keys."""
+    g = torch.Generator().manual_seed(5)
+    model = torch.nn.Linear(6, 3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    grc = grace_from_params(MC_PARAMS, transport=t)
+    opt = DistributedOptimizer(make_optimizer(model.parameters()), grc,
+                               named_parameters=model.named_parameters())
+    data = torch.Generator().manual_seed(100 + t.rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 6, generator=data)).pow(2).sum().backward()
+        opt.step()
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "groups": [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups],
+            "state": [sorted(opt.state[p]) for p in model.parameters()],
+            "nesterov": grc.memory.nesterov}
+
+
+def test_the_users_sgd_keeps_its_momentum_which_the_memory_takes_over():
+    """SGD(momentum=0.9, weight_decay=1e-3) as the user built it trains bit for bit as DGC's
+    recipe (SGD without momentum, weight decay 1e-3 / (1 - 0.9)); its groups still say
+    momentum 0.9 and weight decay 1e-3 afterwards, and it keeps no momentum buffer of its own."""
+    users = run_local(2, lambda t: _mc_run(t, lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.9, weight_decay=1e-3)))
+    dgcs = run_local(2, lambda t: _mc_run(t, lambda p: torch.optim.SGD(
+        p, lr=0.05, weight_decay=1e-3 / (1 - 0.9))))
+    for user, dgc in zip(users, dgcs):
+        assert torch.equal(user["params"], dgc["params"])
+        assert user["groups"][0]["momentum"] == 0.9 and user["groups"][0]["weight_decay"] == 1e-3
+        assert user["state"] == [[], []] and not user["nesterov"]
+    assert torch.equal(users[0]["params"], users[1]["params"])
+
+
+def test_nesterov_runs_dgcs_nesterov_variant():
+    """nesterov=True: the memory synchronises g + m*u (not u); the ranks agree, and the run
+    differs from plain momentum's."""
+    nesterov = run_local(2, lambda t: _mc_run(t, lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.9, nesterov=True)))
+    plain = run_local(2, lambda t: _mc_run(t, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)))
+    assert nesterov[0]["nesterov"] and torch.equal(nesterov[0]["params"], nesterov[1]["params"])
+    assert not torch.equal(nesterov[0]["params"], plain[0]["params"])
+    assert nesterov[0]["groups"][0]["nesterov"] is True
+
+
+def test_the_nesterov_memory_sends_gradient_plus_m_times_the_new_velocity():
     def fn(t):
-        model = torch.nn.Linear(4, 2)
-        grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
-                                 "communicator": "spardl", "momentum_correction": 0.9}, transport=t)
-        with pytest.raises(ValueError, match="give the optimizer momentum=0"):
-            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), grc,
-                                 named_parameters=model.named_parameters())
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grc,
-                                   named_parameters=model.named_parameters())
-        return type(opt).__name__
-    assert run_local(1, fn) == ["SGD"]
+        grc = grace_from_params({**MC_PARAMS, "compress_ratio": 1.0, "wire": "exact"}, transport=t)
+        grc.memory.nesterov = True
+        g1, g2 = torch.tensor([1.0, -2.0, 0.5, 3.0]), torch.tensor([0.5, 1.0, -1.0, 2.0])
+        first = grc.step(g1.clone(), "w")  # u = g1, sent g1 + 0.9 g1; all applied, u masked
+        second = grc.step(g2.clone(), "w")
+        return first, second, g1, g2
+    first, second, g1, g2 = run_local(1, fn)[0]
+    assert torch.allclose(first, 1.9 * g1) and torch.allclose(second, 1.9 * g2)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5), "which is 0.5 with dampening 0"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1), "with dampening 0.1"),
+    (lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.9), "RMSprop has momentum 0.9 of its own"),
+])
+def test_a_momentum_the_memory_cannot_stand_in_for_is_refused(make, message):
+    with pytest.raises(ValueError, match=message):
+        run_local(1, lambda t: _mc_run(t, make, steps=1))
 
 
 def test_velocities_survive_a_checkpoint_and_resume_bit_identically():

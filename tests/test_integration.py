@@ -399,6 +399,18 @@ def test_ddp_comm_hook_matches_the_optimizer_under_torchrun(launch):
         assert r["residual_names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
+def test_the_ddp_hook_takes_the_users_sgd_momentum_over_as_the_optimizer_does(launch):
+    """Momentum correction with SGD(momentum=0.9) as the user built it: the hook's run is the
+    DistributedOptimizer's bit for bit (before, the hook left the SGD's momentum on and the
+    momentum was applied twice, silently); the SGD's groups are as built and it holds no
+    momentum buffer; nesterov, which the memory must know from the first backward, is
+    refused under the hook."""
+    for r in launch("gloo", 2, "training_scenarios.ddp_momentum_correction"):
+        assert torch.equal(r["ddp"], r["optimizer"])
+        assert r["group"] == (0.9, 1e-3, False) and r["buffers"] == 0
+        assert "use spardl_grace.DistributedOptimizer, or nesterov=False" in r["nesterov"]
+
+
 def test_ddp_comm_hook_overlaps_backward_under_torchrun(launch):
     """The hook returns a pending future and a communication thread finishes it, on several
     DDP buckets with an unused parameter; the model is bit for bit the one the hook gives

@@ -111,6 +111,39 @@ def ddp_matches_optimizer(transport, steps: int = 12, dense_warmup_steps: int = 
             "residual_names": sorted(state.sync.grace.memory.residuals)}
 
 
+def ddp_momentum_correction(transport, steps: int = 8) -> dict:
+    """Momentum correction 0.9 with the user's SGD(momentum=0.9, weight_decay=1e-3) as built,
+    through DDP + comm_hook and through DistributedOptimizer; then nesterov=True under the
+    hook (needs torch.distributed: torchrun)."""
+    mc = {**params_for("spardl"), "momentum_correction": 0.9}
+
+    def sgd(params, **kwargs):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3, **kwargs)
+    ddp_model = mlp()
+    ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+    ddp.register_comm_hook(CommHookState(mc, ddp), comm_hook)
+    users = sgd(ddp.parameters())
+    train(ddp, users, transport.rank, transport.size, steps)
+    model = mlp()
+    grc = grace_from_params(mc, transport=transport)
+    train(model, DistributedOptimizer(sgd(model.parameters()), grc,
+                                      named_parameters=model.named_parameters()),
+          transport.rank, transport.size, steps)
+    nesterov_model = mlp()
+    nesterov_ddp = torch.nn.parallel.DistributedDataParallel(nesterov_model)
+    nesterov_ddp.register_comm_hook(CommHookState(mc, nesterov_ddp), comm_hook)
+    try:
+        train(nesterov_ddp, sgd(nesterov_ddp.parameters(), nesterov=True), transport.rank,
+              transport.size, 1)
+        nesterov = ""
+    except ValueError as exc:
+        nesterov = str(exc)
+    group = users.param_groups[0]
+    return {"ddp": flat_params(ddp_model), "optimizer": flat_params(model),
+            "group": (group["momentum"], group["weight_decay"], group["nesterov"]),
+            "buffers": sum(len(users.state[p]) for p in ddp.parameters()), "nesterov": nesterov}
+
+
 class _GatedTransport(CountingTransport):
     """Holds every message until `gate` is set, and records the threads that communicate.
     It gates the communication thread's messages, so dense steps are not queued in the

@@ -13,7 +13,9 @@ are options of this memory:
   all-reduce synchronises R + u instead of R + g. After the step, momentum factor masking
   clears u wherever the applied result is non-zero (the entries every rank just applied), so
   stale momentum does not push an entry that was already updated. The optimizer then runs
-  without its own momentum (DistributedOptimizer refuses SGD with momentum > 0).
+  without its own momentum: DistributedOptimizer and the DDP hook take an SGD's momentum m over
+  for each step (spardl_grace.momentum). With nesterov, R + g + m*u is synchronised instead
+  (DGC's Nesterov variant).
   Conserved every step: sum_w (R_w + m*u_w + g_w) == P * result + sum_w R'_w, exactly the
   sparse all-reduce's own invariant with g replaced by the new velocity. Through the velocity
   a gradient enters again in later steps (m*g, m^2*g, ...), as momentum does; masking stops
@@ -49,6 +51,9 @@ class ResidualMemory(Memory):
         self.beta = beta
         self.gamma = gamma
         self.momentum_correction = momentum_correction
+        #: DGC's Nesterov variant: accumulate g + m * u instead of u (DistributedOptimizer sets
+        #: it for an SGD with nesterov=True whose momentum it takes over)
+        self.nesterov = False
         self.local_clip_norm = local_clip_norm
         self.residuals: dict[str, torch.Tensor] = {}
         self.velocities: dict[str, torch.Tensor] = {}
@@ -71,8 +76,15 @@ class ResidualMemory(Memory):
             velocity = self.velocities.get(name)
             if velocity is not None:
                 self._check_shape("velocity", name, velocity, tensor)
-                tensor = torch.add(tensor, velocity, alpha=self.momentum_correction)
-            self._new_velocity[name] = tensor
+                velocity = torch.add(tensor, velocity, alpha=self.momentum_correction)
+            else:
+                velocity = tensor
+            self._new_velocity[name] = velocity
+            tensor = (
+                torch.add(tensor, velocity, alpha=self.momentum_correction)
+                if self.nesterov
+                else velocity
+            )
         residual = self.residuals.get(name)
         if residual is None:
             compensated = tensor if self.gamma == 1.0 else self.gamma * tensor
