@@ -9,12 +9,16 @@ megabytes sent per step and worker over the whole run, one point per config. Byt
 warm-up are the last epoch's bytes per step (SparDL's after its density warm-up, PowerSGD's
 and post-local SGD's after their start).
 
-The verdict is the issue's test of dominance: for every PowerSGD point, is there a SparDL point
-that sends no more bytes per step (whole run) with at least its mean accuracy? Configs with
-fewer seeds than the most any config has are marked. The verdict is final once the rows it
-rests on have them all: every PowerSGD point, and then, if SparDL dominates, one dominating
-SparDL point per PowerSGD point; if it does not, every SparDL point (any of them could still
-come to dominate). Other configs (dense, DDP's fp16 hook, post-local SGD) do not enter it.
+The verdict is the issue's test of dominance by the project's rule (testbed.stats): for every
+PowerSGD point, the SparDL points that send no more bytes per step (whole run) are 'better'
+when the 95% Welch interval of the difference of their seed means is above zero, 'level' when
+it holds zero (or either has one seed), 'worse' below. SparDL dominates when every PowerSGD
+point has a better SparDL point; it is level or better when every one has a better or level
+one. Configs with fewer seeds than the most any config has are marked. The verdict is final
+once the rows it rests on have them all: every PowerSGD point, and then, if SparDL dominates,
+one dominating SparDL point per PowerSGD point; if it does not, every SparDL point (any of
+them could still come to dominate). Other configs (dense, DDP's fp16 hook, post-local SGD) do
+not enter it.
 
 With --step-times (a benchmarks.train_step JSON whose algorithms are these configs; 'dense'
 is looked up as 'ddp', what a user runs) it adds the time to accuracy at each of its link
@@ -33,6 +37,7 @@ from typing import Any
 
 from benchmarks.netem import rate_bits_per_s
 from testbed.records import read_log, runs_under
+from testbed.stats import welch
 
 
 def family(config: str) -> str:
@@ -121,7 +126,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({
             "config": config, "family": family(config), "seeds": sorted(r["seed"] for r in mine),
             "accuracy": {"mean": statistics.fmean(accuracy), "min": min(accuracy),
-                         "max": max(accuracy)},
+                         "max": max(accuracy), "values": accuracy},
             "bytes_run": statistics.fmean(r["bytes_run"] for r in mine),
             "bytes_after_warmup": statistics.fmean(r["bytes_after_warmup"] for r in mine),
             "dense_bytes": mine[0]["dense_bytes"]})
@@ -129,14 +134,24 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def dominance(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each PowerSGD row: the SparDL rows that send no more bytes (whole run) with at least
-    its mean accuracy (possibly none)."""
+    """For each PowerSGD row, the SparDL rows that send no more bytes (whole run) by the rule's
+    verdict on their accuracy against it: 'dominated_by' (better), 'level', and each one's
+    Welch interval of the difference in points (None with one seed)."""
     sparse = [r for r in rows if r["family"] == "spardl"]
-    return [{"powersgd": p["config"],
-             "dominated_by": [s["config"] for s in sparse
-                              if s["bytes_run"] <= p["bytes_run"]
-                              and s["accuracy"]["mean"] >= p["accuracy"]["mean"]]}
-            for p in rows if p["family"] == "powersgd"]
+    out = []
+    for p in (r for r in rows if r["family"] == "powersgd"):
+        found: dict[str, list[str]] = {"better": [], "level": [], "worse": []}
+        intervals = {}
+        for s in sparse:
+            if s["bytes_run"] > p["bytes_run"]:
+                continue
+            interval = welch(s["accuracy"]["values"], p["accuracy"]["values"])
+            found[interval.verdict if interval else "level"].append(s["config"])
+            intervals[s["config"]] = None if interval is None else [
+                100 * interval.low, 100 * interval.high]
+        out.append({"powersgd": p["config"], "dominated_by": found["better"],
+                    "level": found["level"], "intervals_points": intervals})
+    return out
 
 
 def verdict_final(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> bool:
@@ -170,14 +185,25 @@ def markdown(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]], final: 
     if provenance:
         lines += [provenance, ""]
     for v in verdicts:
-        by = ", ".join(v["dominated_by"]) or "no SparDL point"
-        lines.append(f"- {v['powersgd']}: at no more bytes and at least its mean accuracy: {by}.")
-    held = all(v["dominated_by"] for v in verdicts)
+        def named(configs: list[str]) -> str:
+            return ", ".join(f"{c} ({_interval(v['intervals_points'][c])})" for c in configs) \
+                or "no SparDL point"
+        lines.append(f"- {v['powersgd']}: at no more bytes, more accurate: "
+                     f"{named(v['dominated_by'])}; level: {named(v['level'])}.")
     caveat = "" if final else " (not final: points it rests on lack seeds)"
-    lines.append(
-        f"- SparDL {'dominates' if held else 'does not dominate'} PowerSGD's points on these "
-        f"runs{caveat}.")
+    if all(v["dominated_by"] for v in verdicts):
+        said = "dominates PowerSGD's points"
+    elif all(v["dominated_by"] or v["level"] for v in verdicts):
+        said = "is level with or above every PowerSGD point at no more bytes, but does not dominate"
+    else:
+        said = "does not dominate PowerSGD's points"
+    lines.append(f"- SparDL {said} on these runs{caveat}. Better or worse only where the 95% "
+                 "Welch interval of the difference of seed means excludes zero; otherwise level.")
     return "\n".join(lines) + "\n"
+
+
+def _interval(points: list[float] | None) -> str:
+    return "one seed" if points is None else f"{points[0]:+.2f}..{points[1]:+.2f} points"
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
