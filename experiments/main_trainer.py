@@ -251,7 +251,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --optimizer adamw and this library's algorithm: the first N steps "
                         "dense, then AdamW's second moment frozen so that its update is linear "
                         "in the sparse gradient (grace_from_params' 'adam_freeze_step'; "
-                        "DistributedOptimizer only, not --ddp-hook or --fsdp)")
+                        "not with --fsdp)")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
     p.add_argument("--value", default="polyfit")
@@ -329,11 +329,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(f"--bandwidth: {exc}")
     baseline = args.compression and args.compressor in BASELINES
-    if args.adam_freeze_step and (args.optimizer != "adamw" or baseline or args.ddp_hook
-                                  or args.fsdp or args.adam_freeze_step < 0):
+    if args.adam_freeze_step and (args.optimizer != "adamw" or baseline or args.fsdp
+                                  or args.adam_freeze_step < 0):
         p.error("--adam-freeze-step N (N >= 1) freezes AdamW's second moment in this library's "
-                "DistributedOptimizer: it needs --optimizer adamw, and neither a torch_* "
-                "baseline, --ddp-hook nor --fsdp (their optimizers step on their own)")
+                "DistributedOptimizer or DDP hook: it needs --optimizer adamw, and neither a "
+                "baseline nor --fsdp")
     if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
     if args.bucket_cap_mb is not None and baseline and args.compressor == "torch_powersgd":

@@ -38,9 +38,8 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .api import Synchronizer
-from .frozen_adam import refuse_without_the_step
-from .momentum import watch
 from .registry import grace_from_params, resolve_params
+from .step_hooks import watch
 from .sync import (
     FIRST_STEP_TIMEOUT_S,
     Bucket,
@@ -93,8 +92,8 @@ class CommHookState:
             check_dense_path_keeps_momentum(
                 resolved["momentum_correction"], dense_warmup_steps, min_numel
             )
-            refuse_without_the_step(resolved["adam_freeze_step"], "the DDP hook")
             self.momentum_correction = resolved["momentum_correction"]
+            self.adam_freeze_step = resolved["adam_freeze_step"]
         elif not isinstance(grace, Synchronizer):
             raise TypeError(
                 "grace must be a communicator from grace_from_params(...) or a dict of its "
@@ -110,8 +109,8 @@ class CommHookState:
         self._sync_args = (dense_warmup_steps, min_numel, overlap, first_step_timeout)
         self._sync: GradientSync | None = None
         if isinstance(grace, Synchronizer):
-            refuse_without_the_step(grace.adam_freeze_step, "the DDP hook")
             self.momentum_correction = getattr(grace.memory, "momentum_correction", 0.0)
+            self.adam_freeze_step = grace.adam_freeze_step
             self._sync = self._build(grace)
         #: steps of torch.optim optimizers that hold these parameters (_count_optimizer_step)
         self.optimizer_steps = 0
@@ -122,7 +121,14 @@ class CommHookState:
 
     def _build(self, grace: Synchronizer) -> GradientSync:
         warmup, min_numel, overlap, timeout = self._sync_args
+        # The steps before Adam's variance freezes are the dense ones that estimate it.
+        warmup = max(warmup, self.adam_freeze_step)
         return GradientSync(grace, warmup, min_numel, overlap, "spardl-ddp-comm", timeout)
+
+    @property
+    def synchronized_steps(self) -> int:
+        """Steps synchronised so far (0 before the first)."""
+        return self._sync.steps if self._sync is not None else 0
 
     @property
     def sync(self) -> GradientSync:

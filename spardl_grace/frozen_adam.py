@@ -10,7 +10,10 @@ first steps are synchronised dense and Adam runs as it is, then its second momen
 and the update is the momentum of the synchronised gradient divided by the frozen root, so a
 burst of k steps' gradients moves an entry as far as the k steps would have.
 
-frozen_step() is that update on a torch.optim.Adam or AdamW's own param_groups and state: the
+frozen_step() is that update on a torch.optim.Adam or AdamW's own param_groups and state
+(DistributedOptimizer calls it in its step; under the DDP hook, whose optimizer steps on its
+own, spardl_grace.step_hooks runs it before the optimizer's step and hides the gradients from
+that step): the
 learning rate (and its scheduler), betas, eps, weight decay (decoupled for AdamW, added to the
 gradient for Adam) and maximize are the user's; the first moment and the step count carry on
 in the optimizer's state, the second moment is left as it was, and each parameter's state
@@ -19,6 +22,8 @@ resumes it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -75,13 +80,37 @@ def frozen_step(optimizer: torch.optim.Optimizer) -> None:
             p.addcdiv_(state["exp_avg"], variance.sqrt_().add_(eps), value=-lr / (1 - beta1**step))
 
 
+def take_over_step(optimizer: torch.optim.Optimizer, holder: Any, where: str) -> list:
+    """For spardl_grace.step_hooks (the DDP hook): once `holder` has synchronised more than its
+    adam_freeze_step steps, run frozen_step() on `optimizer` and hide the gradients from the
+    optimizer's own step, which then leaves every parameter alone; what gives the gradients
+    back after it. ValueError (naming `where`) when the optimizer is not an Adam it can
+    continue."""
+    freeze = getattr(holder, "adam_freeze_step", 0)
+    if not freeze:
+        return []
+    check_optimizer(optimizer, freeze)
+    if holder.synchronized_steps <= freeze:
+        return []
+    frozen_step(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+
+    def give_back() -> None:
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+    return [give_back]
+
+
 def refuse_without_the_step(freeze_step: int, where: str) -> None:
-    """ValueError for 'adam_freeze_step' on a path whose optimizer steps on its own (the DDP
-    hook, FSDP2): only DistributedOptimizer runs the frozen update, and a sparse gradient
-    handed to Adam's own update is what the key exists to avoid."""
+    """ValueError for 'adam_freeze_step' on a path that cannot run it: FSDP2 has no dense
+    steps to estimate the second moment from."""
     if freeze_step:
         raise ValueError(
-            f"'adam_freeze_step' ({freeze_step}) needs the library to run the optimizer's "
-            f"update, which {where} leaves to your optimizer: use spardl_grace."
-            "DistributedOptimizer, or leave 'adam_freeze_step' at 0"
+            f"'adam_freeze_step' ({freeze_step}) needs dense steps to estimate Adam's second "
+            f"moment, which {where} does not run: use spardl_grace.DistributedOptimizer or the "
+            "DDP hook, or leave 'adam_freeze_step' at 0"
         )

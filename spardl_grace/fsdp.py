@@ -42,7 +42,7 @@ import torch
 import torch.distributed
 
 from .frozen_adam import refuse_without_the_step
-from .momentum import watch
+from .step_hooks import watch
 from .transport.torch_dist import TorchDistTransport
 
 
@@ -270,12 +270,12 @@ def hybrid_shard(
     the ShardSync. `fully_shard_kwargs` go to every fully_shard call (mp_policy,
     reshard_after_forward, ...). ValueError for a mesh that is not
     2-D with those dimension names, and for params grace_from_params refuses."""
-    from .registry import grace_from_params
+    from .registry import grace_from_params, resolve_params
 
+    refuse_without_the_step(resolve_params(dict(params))["adam_freeze_step"], "FSDP2")
     _check_mesh(mesh, replicate, shard)
     transport = TorchDistTransport(group=mesh[replicate].get_group())
     grace = grace_from_params(dict(params), transport=transport)
-    refuse_without_the_step(grace.adam_freeze_step, "FSDP2")
     modules = _fully_shard_units(model, units, mesh[shard], fully_shard_kwargs, "hybrid_shard")
     hooks = {name: ReplicaHook(grace, name, module) for name, module in modules.items()}
     for name, module in modules.items():
@@ -302,8 +302,9 @@ def flat_shard(
     from torch.distributed.device_mesh import init_device_mesh
 
     from .communicators.spardl import SparDL
-    from .registry import grace_from_params
+    from .registry import grace_from_params, resolve_params
 
+    refuse_without_the_step(resolve_params(dict(params))["adam_freeze_step"], "FSDP2")
     if mesh is not None and mesh.ndim != 1:
         raise ValueError(
             f"flat_shard shards over a 1-D device mesh, got a {mesh.ndim}-D one; for a 2-D "
@@ -319,7 +320,6 @@ def flat_shard(
         mesh = init_device_mesh(_device_type(model), (torch.distributed.get_world_size(),))
     transport = TorchDistTransport(group=mesh.get_group())
     grace = cast(SparDL, grace_from_params(dict(params), transport=transport))
-    refuse_without_the_step(grace.adam_freeze_step, "FSDP2")
     modules = _fully_shard_units(model, units, mesh, fully_shard_kwargs, "flat_shard")
     comms = {name: SparseReduceScatter(grace, name) for name in modules}
     for name, module in modules.items():

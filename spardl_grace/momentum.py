@@ -9,7 +9,7 @@ the steady-state decay that momentum gives wd (DGC's recipe), then puts the grou
 param_groups and state_dict() keep the user's values; the velocities are in the compression
 state, so checkpoints carry them. DistributedOptimizer does this in its own step(); the DDP
 hook and FSDP2, whose optimizers step on their own, through torch's global step hooks
-(watch). Nesterov momentum runs as DGC's Nesterov variant (the memory accumulates
+(spardl_grace.step_hooks). Nesterov momentum runs as DGC's Nesterov variant (the memory accumulates
 g + m * u instead of u). An SGD built without momentum (DGC's own recipe, weight decay
 scaled by hand) runs as it is.
 """
@@ -17,15 +17,10 @@ scaled by hand) runs as it is.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 #: what each taken-over group is given for the step: momentum, nesterov, weight decay
 _SAVED = ("momentum", "nesterov", "weight_decay")
@@ -97,44 +92,20 @@ def momentum_handed_over(optimizer: torch.optim.Optimizer, m: float) -> Iterator
         restore(groups, saved)
 
 
-#: what takes over momentum for optimizers it does not own, by the model it serves, for as
-#: long as that lives: model -> (a DDP hook state or FSDP2's ShardSync, the integration's name)
-_WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str]] = weakref.WeakKeyDictionary()
-_HOOKS: list[Any] = []
-#: optimizers in a step whose momentum is taken over: their groups and what to give back
-_HANDED_OVER: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
-
-
-def watch(model: torch.nn.Module, holder: Any, where: str) -> None:
-    """Take the momentum over in every step of any optimizer that updates `holder`'s
-    parameters, through torch's global optimizer step hooks, for as long as `model` lives
-    (the caller may drop `holder`). `holder` has `momentum_correction` (0: nothing to do) and
-    `holds_parameters_of(optimizer)`, and holds no strong reference to `model`; a Nesterov
-    SGD is refused, since the memory must run DGC's Nesterov variant from the first backward
-    on, before the optimizer is seen."""
-    if not _HOOKS:
-        _HOOKS.append(register_optimizer_step_pre_hook(_hand_over))
-        _HOOKS.append(register_optimizer_step_post_hook(_give_back))
-    _WATCHED[model] = (holder, where)
-
-
-def _hand_over(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    _give_back(optimizer, args, kwargs)  # a step that raised kept its groups handed over
-    for holder, where in list(_WATCHED.values()):
-        m = holder.momentum_correction
-        if m and holder.holds_parameters_of(optimizer):
-            groups = taken_over_groups(optimizer, m)
-            if uses_nesterov(groups):
-                raise ValueError(
-                    "momentum correction with nesterov=True is DGC's Nesterov variant, which "
-                    f"the memory must run from the first backward on, before {where} sees the "
-                    "optimizer: use spardl_grace.DistributedOptimizer, or nesterov=False"
-                )
-            _HANDED_OVER[optimizer] = (groups, hand_over(groups, m))
-            return
-
-
-def _give_back(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    handed = _HANDED_OVER.pop(optimizer, None)
-    if handed is not None:
-        restore(*handed)
+def take_over_momentum(optimizer: torch.optim.Optimizer, holder: Any, where: str) -> list:
+    """For spardl_grace.step_hooks: hand the momentum of `optimizer` over for its step when
+    `holder` runs momentum correction; what puts it back after. A Nesterov SGD is refused: the
+    memory must run DGC's Nesterov variant from the first backward on, before `where` sees the
+    optimizer."""
+    m = holder.momentum_correction
+    if not m:
+        return []
+    groups = taken_over_groups(optimizer, m)
+    if uses_nesterov(groups):
+        raise ValueError(
+            "momentum correction with nesterov=True is DGC's Nesterov variant, which the memory "
+            f"must run from the first backward on, before {where} sees the optimizer: use "
+            "spardl_grace.DistributedOptimizer, or nesterov=False"
+        )
+    saved = hand_over(groups, m)
+    return [lambda: restore(groups, saved)]

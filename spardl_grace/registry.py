@@ -323,10 +323,11 @@ PARAMS: tuple[Param, ...] = (
     ranged(
         "adam_freeze_step",
         0,
-        "with torch.optim.Adam or AdamW under DistributedOptimizer: the first this many steps "
-        "are synchronised dense and the optimizer runs as it is, then its second moment is "
-        "frozen and the update becomes linear in the synchronised gradient, so what error "
-        "feedback holds back arrives with its full weight (1-bit Adam's remedy; 0: off)",
+        "with torch.optim.Adam or AdamW under DistributedOptimizer or the DDP hook: the first "
+        "this many steps are synchronised dense and the optimizer runs as it is, then its "
+        "second moment is frozen and the update becomes linear in the synchronised gradient, "
+        "so what error feedback holds back arrives with its full weight (1-bit Adam's remedy; "
+        "0: off)",
         int_at_least(0),
     ),
     ranged(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spardl_grace.fsdp import _check_mesh, flat_shard
+from spardl_grace.fsdp import _check_mesh, flat_shard, hybrid_shard
 
 
 def test_density_one_equals_fsdps_native_hsdp(launch):
@@ -138,6 +138,11 @@ def test_flat_shard_refuses_another_communicator_and_a_2d_mesh():
     for bad in ({"communicator": "topka"}, {"teams": 2}):
         with pytest.raises(ValueError, match="choose communicator 'spardl' with teams 1"):
             flat_shard(torch.nn.Linear(2, 2), {**_SPARDL, "compress_ratio": 0.1, **bad})
+    frozen = {**_SPARDL, "compress_ratio": 0.1, "adam_freeze_step": 5}
+    for shard in (lambda: flat_shard(torch.nn.Linear(2, 2), frozen),
+                  lambda: hybrid_shard(torch.nn.Linear(2, 2), _Mesh(2, ("replicate", "shard")), frozen)):
+        with pytest.raises(ValueError, match="needs dense steps to estimate Adam's second moment"):
+            shard()
 
 
 _SPARDL = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl"}

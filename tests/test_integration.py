@@ -411,6 +411,17 @@ def test_the_ddp_hook_takes_the_users_sgd_momentum_over_as_the_optimizer_does(la
         assert "use spardl_grace.DistributedOptimizer, or nesterov=False" in r["nesterov"]
 
 
+def test_the_ddp_hook_runs_adams_frozen_update_as_the_optimizer_does(launch):
+    """'adam_freeze_step' 3 with the user's AdamW under the DDP hook: dense for 3 steps, then
+    the frozen update run before AdamW's own step, which the hidden gradients make a no-op: bit
+    for bit DistributedOptimizer's run; the gradients are back after the step; an SGD is
+    refused at its first step."""
+    for r in launch("gloo", 2, "training_scenarios.ddp_frozen_adam"):
+        assert torch.equal(r["ddp"], r["optimizer"])
+        assert r["frozen_at"] == 3 and r["grads_kept"]
+        assert "the optimizer is SGD" in r["sgd"]
+
+
 def test_ddp_comm_hook_overlaps_backward_under_torchrun(launch):
     """The hook returns a pending future and a communication thread finishes it, on several
     DDP buckets with an unused parameter; the model is bit for bit the one the hook gives

@@ -90,7 +90,8 @@ def test_adam_freeze_step_reaches_the_library_and_is_refused_where_it_cannot_act
     args = _args("--optimizer", "adamw", "--compression", "--adam-freeze-step", "50")
     assert main_trainer.grace_params(args)["adam_freeze_step"] == 50
     for extra in (["--compression", "--adam-freeze-step", "50"],  # sgd
-                  ["--optimizer", "adamw", "--compression", "--ddp-hook", "--adam-freeze-step", "5"],
+                  ["--optimizer", "adamw", "--compression", "--fsdp", "hybrid", "--nworkers", "4",
+                   "--adam-freeze-step", "5"],
                   ["--optimizer", "adamw", "--compression", "--compressor", "torch_powersgd",
                    "--adam-freeze-step", "5"]):
         with pytest.raises(SystemExit):

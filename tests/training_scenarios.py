@@ -129,19 +129,47 @@ def ddp_momentum_correction(transport, steps: int = 8) -> dict:
     train(model, DistributedOptimizer(sgd(model.parameters()), grc,
                                       named_parameters=model.named_parameters()),
           transport.rank, transport.size, steps)
-    nesterov_model = mlp()
-    nesterov_ddp = torch.nn.parallel.DistributedDataParallel(nesterov_model)
-    nesterov_ddp.register_comm_hook(CommHookState(mc, nesterov_ddp), comm_hook)
-    try:
-        train(nesterov_ddp, sgd(nesterov_ddp.parameters(), nesterov=True), transport.rank,
-              transport.size, 1)
-        nesterov = ""
-    except ValueError as exc:
-        nesterov = str(exc)
+    nesterov = _first_step_error(transport, mc, lambda m: sgd(m.parameters(), nesterov=True))
     group = users.param_groups[0]
     return {"ddp": flat_params(ddp_model), "optimizer": flat_params(model),
             "group": (group["momentum"], group["weight_decay"], group["nesterov"]),
             "buffers": sum(len(users.state[p]) for p in ddp.parameters()), "nesterov": nesterov}
+
+
+def _first_step_error(transport, params: dict, make_optimizer) -> str:
+    """The ValueError of one DDP + comm_hook step with `params` and the optimizer
+    make_optimizer(ddp) builds ("" if it trains)."""
+    ddp = torch.nn.parallel.DistributedDataParallel(mlp())
+    ddp.register_comm_hook(CommHookState(params, ddp), comm_hook)
+    try:
+        train(ddp, make_optimizer(ddp), transport.rank, transport.size, 1)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def ddp_frozen_adam(transport, steps: int = 8, freeze: int = 3) -> dict:
+    """'adam_freeze_step' with the user's AdamW through DDP + comm_hook and through
+    DistributedOptimizer; then SGD under the hook with the key (needs torch.distributed)."""
+    params = {**params_for("spardl"), "adam_freeze_step": freeze}
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    ddp_model = mlp()
+    ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+    state = CommHookState(params, ddp)
+    ddp.register_comm_hook(state, comm_hook)
+    users = adamw(ddp)
+    train(ddp, users, transport.rank, transport.size, steps)
+    model = mlp()
+    train(model, DistributedOptimizer(adamw(model), grace_from_params(params, transport=transport),
+                                      named_parameters=model.named_parameters()),
+          transport.rank, transport.size, steps)
+    sgd = _first_step_error(transport, params, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    first = next(ddp_model.parameters())
+    return {"ddp": flat_params(ddp_model), "optimizer": flat_params(model), "sgd": sgd,
+            "frozen_at": float(users.state[first]["variance_frozen_at"]),
+            "grads_kept": all(p.grad is not None for p in ddp_model.parameters())}
 
 
 class _GatedTransport(CountingTransport):

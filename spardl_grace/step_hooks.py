@@ -1,0 +1,67 @@
+"""What the library does inside the steps of optimizers it does not own.
+
+Under the DDP hook and FSDP2 the user's optimizer steps on its own, yet two options need a
+hand in that step: momentum correction takes an SGD's momentum over for the step
+(spardl_grace.momentum), and 'adam_freeze_step' runs an Adam's update with its second moment
+frozen (spardl_grace.frozen_adam). watch(model, holder, where) registers, once per process,
+torch's global optimizer step pre- and post-hooks; before a step of any optimizer that updates
+a watched holder's parameters each option does its part, and after the step (or before the
+next, if the step raised) what it changed for the step is put back.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+#: model -> (a DDP hook state or FSDP2's ShardSync, the integration's name), for as long as the
+#: model lives; the holder has momentum_correction, adam_freeze_step, synchronized_steps and
+#: holds_parameters_of(optimizer)
+_WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str]] = weakref.WeakKeyDictionary()
+_HOOKS: list[Any] = []
+#: optimizers in a step: what puts back what the options changed for it
+_UNDO: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Callable[[], None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def watch(model: torch.nn.Module, holder: Any, where: str) -> None:
+    """Act in every step of any optimizer that updates `holder`'s parameters, for as long as
+    `model` lives (the caller may drop `holder`, which must hold no strong reference to
+    `model`). `where` names the integration in errors."""
+    if not _HOOKS:
+        _HOOKS.append(register_optimizer_step_pre_hook(_before))
+        _HOOKS.append(register_optimizer_step_post_hook(_after))
+    _WATCHED[model] = (holder, where)
+
+
+def _before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    from .frozen_adam import take_over_step
+    from .momentum import take_over_momentum
+
+    _after(optimizer, args, kwargs)  # a step that raised left its changes in place
+    for holder, where in list(_WATCHED.values()):
+        if not holder.holds_parameters_of(optimizer):
+            continue
+        undo: list[Callable[[], None]] = []
+        try:
+            undo += take_over_momentum(optimizer, holder, where)
+            undo += take_over_step(optimizer, holder, where)
+        except BaseException:
+            for action in reversed(undo):
+                action()
+            raise
+        _UNDO[optimizer] = undo
+        return
+
+
+def _after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for action in reversed(_UNDO.pop(optimizer, [])):
+        action()
