@@ -4,7 +4,7 @@ where the payload has no checksum, the flip is counted as a silent wrong result.
 
     python -m benchmarks.bitflips --trials 40 --json benchmarks/results/bitflips.json
 
-Each trial runs 4 ranks (threads, spardl_grace.run_local) of SparDL for 3 steps on random
+Each trial runs 4 ranks (threads, spardl_grace.transport.run_local) of SparDL for 3 steps on random
 gradients, with a BitFlipTransport on a random rank that flips a random bit of a random
 received message, and the same steps without it. Outcomes: 'detected' (a rank raised
 ValueError or TransportError: the message failed its CRC-32 or decoded to entries outside the
@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.comm import machine, write_json
 from deepreduce_compat import deepreduce_from_params
-from spardl_grace import run_local
+from spardl_grace.transport import run_local
 from spardl_grace.transport import Transport, TransportError
 from spardl_grace.transport.local import PeerFailure
 

@@ -20,7 +20,7 @@ import torch
 from benchmarks.costmodel import KINDS, probe_chain, probe_op
 from benchmarks.netem import burst_bytes, rate_bits_per_s
 from deepreduce_compat import deepreduce_from_params
-from spardl_grace import CountingTransport
+from spardl_grace.transport import CountingTransport
 from spardl_grace.launch import join
 from spardl_grace.transport import Transport
 from spardl_grace.transport.counting import Message

@@ -20,7 +20,8 @@ import torch
 
 from benchmarks.comm import machine, write_json
 from benchmarks.kernels import timed
-from spardl_grace import grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.payload import Encoded, PayloadCodec
 from spardl_grace.selection import count_for_ratio, topk_abs
 

@@ -37,7 +37,7 @@ class ToyModule(pl.LightningModule):
 x, y = zip(*(batch(rank, step) for step in range(args.steps) for rank in (0, 1)))
 data = torch.utils.data.TensorDataset(torch.cat(x), torch.cat(y))
 module = ToyModule()
-sparse = spardl_grace.lightning.SparseAllreduce({   # <- the changed line
+sparse = spardl_grace.lightning.GradientCompression({   # <- the changed line
     'compressor': 'topk', 'memory': 'global_residual', 'communicator': 'spardl',
     'compress_ratio': args.density})
 trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1,

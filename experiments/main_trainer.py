@@ -700,7 +700,7 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport,
         from experiments.sharded import ShardedSync
         return ShardedSync(model, args.fsdp, args.fsdp_nodes, params,
                            lambda sharded: recipe.make_optimizer(args, sharded)), params
-    counting = spardl_grace.CountingTransport(transport)
+    counting = spardl_grace.transport.CountingTransport(transport)
     grc = deepreduce_from_params(params, transport=counting)
     if args.ddp_hook:
         from experiments.baselines import ONE_BUCKET_MB

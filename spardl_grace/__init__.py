@@ -8,44 +8,64 @@ optimizer = DistributedOptimizer(optimizer, grc, named_parameters=model.named_pa
 ddp.register_comm_hook(CommHookState(grc, ddp), comm_hook)         # DDP
 """
 
-from . import fsdp
-from .api import Communicator, Compressor, Memory, SparseAllreduce, Synchronizer
-from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+import importlib
+import warnings
+from typing import Any
+
+from . import fsdp, grace_dl_compat
+from .api import Communicator, Compressor, Memory
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .ddp import CommHookState, comm_hook
-from .grace_dl_compat import register_with_grace_dl
 from .optimizer import DistributedOptimizer
-from .payload import IdentityCodec, PayloadCodec
-from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, grace_from_params, resolve_params
-from .transport import CountingTransport, Transport, TransportError, TransportTimeout, run_local
+from .registry import grace_from_params
 from .version import __version__
 
-register_with_grace_dl()
+grace_dl_compat.register_with_grace_dl()
 
 __all__ = [
-    "COMMUNICATORS",
-    "COMPRESSORS",
-    "MEMORIES",
     "CommHookState",
     "Communicator",
     "Compressor",
-    "CountingTransport",
     "DistributedOptimizer",
-    "IdentityCodec",
     "Memory",
-    "PayloadCodec",
-    "SparseAllreduce",
-    "Synchronizer",
-    "Transport",
-    "TransportError",
-    "TransportTimeout",
     "__version__",
-    "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "comm_hook",
     "fsdp",
     "grace_from_params",
-    "register_with_grace_dl",
-    "resolve_params",
-    "run_local",
 ]
+
+#: names the top level held before 0.3, now in their submodules: name -> submodule
+MOVED = {
+    "COMMUNICATORS": "registry",
+    "COMPRESSORS": "registry",
+    "MEMORIES": "registry",
+    "resolve_params": "registry",
+    "CountingTransport": "transport",
+    "Transport": "transport",
+    "TransportError": "transport",
+    "TransportTimeout": "transport",
+    "run_local": "transport",
+    "IdentityCodec": "payload",
+    "PayloadCodec": "payload",
+    "SparseAllreduce": "api",
+    "Synchronizer": "api",
+    "broadcast_object": "broadcast",
+    "register_with_grace_dl": "grace_dl_compat",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The old top-level names, for one more release, with a DeprecationWarning naming the
+    new place."""
+    if name in MOVED:
+        module = f"{__name__}.{MOVED[name]}"
+        warnings.warn(
+            f"spardl_grace.{name} moved to {module}.{name}; the top-level name goes in the "
+            "next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

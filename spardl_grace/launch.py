@@ -125,7 +125,7 @@ def join(
     if kind == "none":
         raise TransportError(
             "no launcher started this process: run it under torchrun, mpirun "
-            "or horovodrun, or use spardl_grace.run_local for threads"
+            "or horovodrun, or use spardl_grace.transport.run_local for threads"
         )
     if kind == "horovod":
         from .transport.horovod import start_horovod_or_exit_after

@@ -4,7 +4,7 @@ state in Lightning's checkpoints.
 One changed line in a Lightning script, the callback (it builds the hook's state from the
 LightningModule and registers the hook on the module DDPStrategy wraps):
 
-    trainer = L.Trainer(strategy="ddp", callbacks=[spardl_grace.lightning.SparseAllreduce(
+    trainer = L.Trainer(strategy="ddp", callbacks=[spardl_grace.lightning.GradientCompression(
         {'compressor': 'topk', 'memory': 'global_residual', 'communicator': 'spardl',
          'compress_ratio': 0.01})])
 
@@ -13,7 +13,7 @@ or Lightning's own form for PowerSGD, with the callback to checkpoint the state:
     state = spardl_grace.CommHookState(params, model)
     trainer = L.Trainer(strategy=DDPStrategy(ddp_comm_state=state,
                                              ddp_comm_hook=spardl_grace.comm_hook),
-                        callbacks=[spardl_grace.lightning.SparseAllreduce(state)])
+                        callbacks=[spardl_grace.lightning.GradientCompression(state)])
 
 Lightning's DDPStrategy registers a communication hook only when it trains on CUDA and
 ignores it otherwise; the callback registers it on the CPU (gloo) too, once. The compression
@@ -45,7 +45,7 @@ except ImportError:  # the standalone package
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 
-class SparseAllreduce(pl.Callback):
+class GradientCompression(pl.Callback):
     """Synchronises DDPStrategy's gradient buckets with a grace communicator and keeps its
     state in the trainer's checkpoints.
 
@@ -67,6 +67,7 @@ class SparseAllreduce(pl.Callback):
 
     @property
     def state_key(self) -> str:
+        # the callback's name before 0.3: checkpoints written then keep loading
         return "spardl_grace.SparseAllreduce"
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -75,7 +76,7 @@ class SparseAllreduce(pl.Callback):
         ddp = pl.strategies.DDPStrategy
         if not isinstance(strategy, ddp) or isinstance(strategy, pl.strategies.DeepSpeedStrategy):
             raise ValueError(
-                f"spardl_grace.lightning.SparseAllreduce runs as DDP's communication hook, but "
+                f"spardl_grace.lightning.GradientCompression runs as DDP's communication hook, but "
                 f"the trainer's strategy is {type(strategy).__name__}: use strategy='ddp' (or "
                 "DDPStrategy(...)) with 2 or more processes; for FSDP see spardl_grace.fsdp"
             )
@@ -86,7 +87,7 @@ class SparseAllreduce(pl.Callback):
                 "the DDPStrategy already has a communication hook "
                 f"({getattr(hook, '__name__', hook)}) with another state: pass the same "
                 "CommHookState to DDPStrategy(ddp_comm_state=state, "
-                "ddp_comm_hook=spardl_grace.comm_hook) and to SparseAllreduce(state), or leave "
+                "ddp_comm_hook=spardl_grace.comm_hook) and to GradientCompression(state), or leave "
                 "the strategy's hook unset and give SparseAllreduce the parameters"
             )
         if self.state is None:
@@ -131,3 +132,17 @@ class SparseAllreduce(pl.Callback):
         if self.state is None:
             raise RuntimeError("the compression state exists once the trainer's setup has run")
         return self.state
+
+
+def __getattr__(name: str) -> Any:
+    """SparseAllreduce, the callback's name before 0.3 (it shared it with the ABC
+    spardl_grace.api.SparseAllreduce), for one more release with a DeprecationWarning."""
+    if name == "SparseAllreduce":
+        warnings.warn(
+            "spardl_grace.lightning.SparseAllreduce is now spardl_grace.lightning."
+            "GradientCompression; the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return GradientCompression
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -567,7 +567,9 @@ def grace_from_params(
     all-reduce's messages (None: the identity, or the one a registered codec package's keys
     in `params` choose, such as DeepReduce's)."""
     if codec is not None and not isinstance(codec, PayloadCodec):
-        raise TypeError(f"codec must be a spardl_grace.PayloadCodec, got {type(codec).__name__}")
+        raise TypeError(
+            f"codec must be a spardl_grace.payload.PayloadCodec, got {type(codec).__name__}"
+        )
     given = {
         key: params[key]
         for key in ("compressor", "memory")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepreduce_compat import deepreduce_from_params
-from spardl_grace import run_local
+from spardl_grace.transport import run_local
 from spardl_grace.registry import SPARSE_ALLREDUCES
 from spardl_grace.transport import CountingTransport
 

@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
-from spardl_grace import COMMUNICATORS, CountingTransport, grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.registry import COMMUNICATORS
+from spardl_grace.transport import CountingTransport, run_local
 from spardl_grace.sync import Bucket, GradientSync
 
 SPARSE = {"compressor": "topk", "memory": "global_residual", "compress_ratio": 0.01}
@@ -102,7 +104,7 @@ def test_a_change_on_one_rank_only_fails_in_the_transport_not_silently():
     """Only the rank whose fingerprint changed checks again; the other is already in the
     algorithm's exchange, so the transport reports the mismatch (the local transport at once,
     gloo, MPI and Horovod by their timeout): never a wrong result."""
-    from spardl_grace import TransportError
+    from spardl_grace.transport import TransportError
 
     def fn(t):
         grc = grace_from_params({**SPARSE, "communicator": "spardl"}, transport=t)

@@ -18,7 +18,8 @@ from benchmarks import comm, costmodel, kernels, netem, plots, simulate, tables
 from benchmarks.costmodel import Network, Op
 from conftest import require_netns
 from experiments import report
-from spardl_grace import CountingTransport, grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.transport import CountingTransport, run_local
 
 N, RHO = 20_000, 0.01
 

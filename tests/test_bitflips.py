@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import bitflips
-from spardl_grace import CountingTransport, IdentityCodec, grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.payload import IdentityCodec
+from spardl_grace.transport import CountingTransport, run_local
 from spardl_grace.payload import CRC_BYTES, ChecksummedCodec
 
 SPARDL = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",

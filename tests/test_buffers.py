@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scenarios
-from spardl_grace import DistributedOptimizer, Memory, grace_from_params, run_local
+from spardl_grace import DistributedOptimizer, Memory, grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.api import all_finite
 from spardl_grace.buffers import BufferPool
 from spardl_grace.selection import sparse_nonzero

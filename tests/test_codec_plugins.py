@@ -13,7 +13,10 @@ from deepreduce_compat import codec_from_params
 from deepreduce_compat.codec import DeepReduceCodec
 from deepreduce_compat.index_codecs import DeltaIndex
 from deepreduce_compat.value_codecs import FP16Values
-from spardl_grace import IdentityCodec, grace_from_params, resolve_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.payload import IdentityCodec
+from spardl_grace.registry import resolve_params
+from spardl_grace.transport import run_local
 from spardl_grace import registry
 from spardl_grace.registry import CodecKeys, register_codec_keys
 
@@ -26,7 +29,7 @@ def test_the_core_imports_no_codec_package_and_says_how_to_get_its_keys():
     code = ("import sys, spardl_grace\n"
             "assert not [m for m in sys.modules if m.startswith('deepreduce_compat')], 'imported'\n"
             "try:\n"
-            "    spardl_grace.resolve_params({'deepreduce': 'both'})\n"
+            "    spardl_grace.registry.resolve_params({'deepreduce': 'both'})\n"
             "except ValueError as exc:\n"
             "    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -62,7 +65,7 @@ def test_a_codec_given_as_codec_equals_the_one_its_keys_choose():
      ValueError, "communicator 'allgather' sends none"),
     ({**SPARDL, "communicator": "dense", "compressor": "none"}, IdentityCodec(), ValueError,
      "communicator 'dense' sends none"),
-    (SPARDL, "bloom", TypeError, "codec must be a spardl_grace.PayloadCodec, got str"),
+    (SPARDL, "bloom", TypeError, "codec must be a spardl_grace.payload.PayloadCodec, got str"),
 ])
 def test_a_misplaced_codec_is_refused(params, codec, error, match):
     with pytest.raises(error, match=match):

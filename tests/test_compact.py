@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_checks import check_consistent_and_conserving, run_steps
-from spardl_grace import grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.compact import CompactCodec, index_width, to_wire
 from spardl_grace.communicators.schedules import bruck_rounds
 from spardl_grace.payload import CRC_BYTES, ChecksummedCodec, frame_overhead
@@ -263,7 +264,7 @@ def test_topka_bytes_on_the_wire_match_the_formula():
 
 def test_spardl_messages_stay_one_round_trip_each_with_the_compact_wire():
     """Fixed widths keep every message's size known to its receiver: no size exchange."""
-    from spardl_grace import CountingTransport
+    from spardl_grace.transport import CountingTransport
 
     def fn(t):
         counting = CountingTransport(t)

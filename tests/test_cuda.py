@@ -21,7 +21,8 @@ import torch
 import scenarios
 from conftest import ROOT, _env
 from deepreduce_compat import INDEX_CODECS, VALUE_CODECS, codec_from_params
-from spardl_grace import DistributedOptimizer, grace_from_params, run_local
+from spardl_grace import DistributedOptimizer, grace_from_params
+from spardl_grace.transport import run_local
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda", 0)  # where the tests put tensors (one GPU)

@@ -23,7 +23,8 @@ from deepreduce_compat.value_codecs import (DeflateValues, DoubleExpValues, FP16
 from experiments.datasets import load_fashion_mnist
 from experiments.models.small import FashionCNN
 from sparse_checks import check_consistent_and_conserving, run_steps
-from spardl_grace import grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.fusion import flatten_grads
 from spardl_grace.utils import bitpack
 

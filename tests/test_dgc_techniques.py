@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scenarios
-from spardl_grace import DistributedOptimizer, grace_from_params, run_local
+from spardl_grace import DistributedOptimizer, grace_from_params
+from spardl_grace.transport import run_local
 
 SPARSE = ["spardl", *(p for p in scenarios.PEERS if p != "dense")]
 

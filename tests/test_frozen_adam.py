@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from spardl_grace import DistributedOptimizer, grace_from_params, run_local
+from spardl_grace import DistributedOptimizer, grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.frozen_adam import frozen_step
 
 SPARDL = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import scenarios
-from spardl_grace import grace_from_params, resolve_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.registry import resolve_params
+from spardl_grace.transport import run_local
 from spardl_grace.communicators import Allgather, Broadcast
 
 def assert_identical_replicas(results):

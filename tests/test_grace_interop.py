@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import grace_style as gs
-from spardl_grace import grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.communicators.spardl import SparDL
 from spardl_grace.memories.residual import GlobalResidualMemory
 
@@ -143,7 +144,8 @@ def test_registered_as_virtual_subclasses_of_grace_dls_abcs(tmp_path):
     (tmp_path / "grace_dl" / "__init__.py").write_text("")
     script = textwrap.dedent("""
         import grace_dl.dist, grace_dl.torch
-        from spardl_grace import grace_from_params, run_local
+        from spardl_grace import grace_from_params
+        from spardl_grace.transport import run_local
         def fn(t):
             grc = grace_from_params({'compressor': 'topk', 'memory': 'residual',
                                      'communicator': 'allgather'}, transport=t)

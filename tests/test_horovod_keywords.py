@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import training_scenarios as ts
-from spardl_grace import DistributedOptimizer, grace_from_params, run_local
+from spardl_grace import DistributedOptimizer, grace_from_params
+from spardl_grace.transport import run_local
 
 hvd = pytest.importorskip("horovod.torch")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import training_scenarios as ts
-from spardl_grace import (DistributedOptimizer, TransportError, broadcast_parameters,
-                          grace_from_params, run_local)
+from spardl_grace import DistributedOptimizer, broadcast_parameters, grace_from_params
+from spardl_grace.transport import TransportError, run_local
 from spardl_grace.sync import Bucket, GradientSync
 
 
@@ -80,7 +80,7 @@ def test_last_stats_sum_the_steps_buckets(algorithm):
     buckets, during the dense warm-up step as after it: exactly the bytes the transport
     carried for the algorithm in that step."""
     from sparse_checks import algorithm_messages
-    from spardl_grace import CountingTransport
+    from spardl_grace.transport import CountingTransport
 
     def fn(t):
         counting = CountingTransport(t)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from spardl_grace import registry, resolve_params
+from spardl_grace import registry
+from spardl_grace.registry import resolve_params
 from spardl_grace.params import Param, int_at_least
 
 SPARSE = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl"}

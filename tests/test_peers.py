@@ -10,7 +10,8 @@ import torch
 import scenarios
 from sparse_checks import (algorithm_messages, check_consistent_and_conserving,
                            check_exact_dense_average, run_steps, sent_bytes)
-from spardl_grace import grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.buffers import Scratch
 from spardl_grace.communicators.collectives import global_kth_magnitude
 from spardl_grace.communicators.exchange import Exchange

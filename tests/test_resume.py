@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import spardl_grace
-from spardl_grace import grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.transport import TransportTimeout
 
 #: every torch.optim optimizer Horovod's broadcast_optimizer_state supports
@@ -413,7 +414,7 @@ def test_a_state_creating_step_on_every_rank_leaves_the_model_and_the_compressio
     """Horovod's broadcast_optimizer_state when no rank has state: every rank steps on zero
     gradients. Nothing is synchronised (a counting transport sees no message), the parameters
     stay as they were even with weight decay, and the optimizer has its state."""
-    from spardl_grace import CountingTransport
+    from spardl_grace.transport import CountingTransport
 
     def fn(t):
         counting = CountingTransport(t)

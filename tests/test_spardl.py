@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import scenarios
 from sparse_checks import check_consistent_and_conserving, check_exact_dense_average, run_steps
-from spardl_grace import grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.communicators.schedules import bruck_rounds, srs_schedule
 from spardl_grace.payload import frame_overhead
 from spardl_grace.transport import CountingTransport

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import training_scenarios as ts
-from spardl_grace import grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.sync import Bucket, GradientSync
 from spardl_grace.transport import TransportTimeout
 from spardl_grace.transport.base import QueuedOp

@@ -18,7 +18,8 @@ from experiments import main_trainer
 from experiments import text
 from experiments.datasets import DATASET_TASKS, DATASETS, load_dataset
 from experiments.models import MODEL_TASKS, MODELS, build_model
-from spardl_grace import launch, run_local
+from spardl_grace import launch
+from spardl_grace.transport import run_local
 from spardl_grace.warmup import warmup_density
 from testbed.records import open_run, read_log
 

@@ -83,7 +83,7 @@ def test_lightning_refuses_a_strategy_that_is_not_ddp(tmp_path):
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=tmp_path,
-                         callbacks=[spardl_grace.lightning.SparseAllreduce(PARAMS)])
+                         callbacks=[spardl_grace.lightning.GradientCompression(PARAMS)])
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*regression_data()))
     with pytest.raises(ValueError, match="SingleDeviceStrategy: use strategy='ddp'"):
         trainer.fit(_lightning_module(), loader)
@@ -91,11 +91,11 @@ def test_lightning_refuses_a_strategy_that_is_not_ddp(tmp_path):
 
 def test_bad_parameters_fail_when_the_callback_or_state_is_built():
     with pytest.raises(ValueError, match="compress_ratio"):
-        spardl_grace.lightning.SparseAllreduce({**PARAMS, "compress_ratio": 2.0})
+        spardl_grace.lightning.GradientCompression({**PARAMS, "compress_ratio": 2.0})
     with pytest.raises(ValueError, match="communicator"):
         spardl_grace.CommHookState({**PARAMS, "communicator": "nope"}, network())
     with pytest.raises(TypeError, match="CommHookState"):
-        spardl_grace.lightning.SparseAllreduce("spardl")
+        spardl_grace.lightning.GradientCompression("spardl")
 
 
 def test_accelerate_refuses_a_model_that_is_not_ddp():

@@ -68,7 +68,8 @@ def test_gradients_arriving_on_two_autograd_threads_launch_each_bucket_once():
     import threading
     import time
 
-    from spardl_grace import DistributedOptimizer, grace_from_params, run_local
+    from spardl_grace import DistributedOptimizer, grace_from_params
+    from spardl_grace.transport import run_local
 
     def fn(transport):
         model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(24)])
@@ -116,7 +117,8 @@ def test_momentum_correction_beside_a_dense_path_is_refused_before_training():
     """Dense steps and dense buckets bypass the memory that holds the momentum: they trained
     with no momentum at all (the optimizer's must be off), silently. Refused at construction,
     by DistributedOptimizer and by the DDP hook's state (given a communicator or its keys)."""
-    from spardl_grace import CommHookState, DistributedOptimizer, grace_from_params, run_local
+    from spardl_grace import CommHookState, DistributedOptimizer, grace_from_params
+    from spardl_grace.transport import run_local
     params = {"communicator": "spardl", "memory": "global_residual", "compressor": "topk",
               "compress_ratio": 0.1, "momentum_correction": 0.9}
 

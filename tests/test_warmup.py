@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_checks import check_consistent_and_conserving, run_steps
-from spardl_grace import grace_from_params, run_local
+from spardl_grace import grace_from_params
+from spardl_grace.transport import run_local
 from spardl_grace.registry import SPARSE_ALLREDUCES
 from spardl_grace.selection import count_for_ratio
 from spardl_grace.warmup import warmup_density, warmup_stages

@@ -97,26 +97,26 @@ def lightning_resume(transport) -> dict:
     given to DDPStrategy and the callback) for one epoch."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    sparse = spardl_grace.lightning.SparseAllreduce(PARAMS)
+    sparse = spardl_grace.lightning.GradientCompression(PARAMS)
     straight = _fit(transport, 3, [sparse])
     ckpt = outdir() / "lightning" / "epoch=1.ckpt"
     saved = torch.load(ckpt, weights_only=False)
     transport.barrier("read")
-    resumed = _fit(transport, 3, [spardl_grace.lightning.SparseAllreduce(PARAMS)], str(ckpt))
+    resumed = _fit(transport, 3, [spardl_grace.lightning.GradientCompression(PARAMS)], str(ckpt))
     stripped = outdir() / "stripped.ckpt"
     if transport.rank == 0:
         torch.save({k: v for k, v in saved.items() if k != "callbacks"}, stripped)
     transport.barrier("stripped")
-    without_state = _fit(transport, 3, [spardl_grace.lightning.SparseAllreduce(PARAMS)],
+    without_state = _fit(transport, 3, [spardl_grace.lightning.GradientCompression(PARAMS)],
                          str(stripped))
     model = _lightning_module()
     state = spardl_grace.CommHookState(PARAMS, model)
-    _fit(transport, 1, [spardl_grace.lightning.SparseAllreduce(state)], model=model,
+    _fit(transport, 1, [spardl_grace.lightning.GradientCompression(state)], model=model,
          strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=spardl_grace.comm_hook))
     return {
         "straight": flat(straight), "resumed": flat(resumed),
         "without_state": flat(without_state),
-        "saved_ranks": len(saved["callbacks"]["spardl_grace.SparseAllreduce"]["ranks"]),
+        "saved_ranks": len(saved["callbacks"][sparse.state_key]["ranks"]),
         "residual_norm": residual_norm(sparse.state),
         "bytes_sent": sparse.state.last_stats["bytes_sent"],
         "lightning_form_steps": state.sync.steps,
@@ -252,7 +252,7 @@ def accumulation(transport) -> dict:
             acc_optimizer.step()
             acc_optimizer.zero_grad()
 
-    accumulating = spardl_grace.lightning.SparseAllreduce(PARAMS)
+    accumulating = spardl_grace.lightning.GradientCompression(PARAMS)
     pl.Trainer(accelerator="cpu", devices=transport.size, logger=False, max_epochs=1,
                enable_progress_bar=False, enable_model_summary=False, default_root_dir=outdir(),
                strategy="ddp", accumulate_grad_batches=2, callbacks=[accumulating]).fit(
@@ -266,7 +266,7 @@ def accumulation(transport) -> dict:
                    default_root_dir=outdir(),
                    strategy=DDPStrategy(ddp_comm_state=None,
                                         ddp_comm_hook=default_hooks.allreduce_hook),
-                   callbacks=[spardl_grace.lightning.SparseAllreduce(PARAMS)]).fit(
+                   callbacks=[spardl_grace.lightning.GradientCompression(PARAMS)]).fit(
             lightning_model, torch.utils.data.DataLoader(
                 torch.utils.data.TensorDataset(*regression_data()), batch_size=BATCH))
         other_hook = ""
