@@ -399,10 +399,14 @@ def register_codec_keys(keys: CodecKeys) -> None:
     _CODEC_KEYS[keys.package] = keys
 
 
+#: other names of keys: GRACE's own where this library's name differs, and 'density'
+ALIASES = {"density": "compress_ratio", "compress_rank": "powersgd_rank"}
+
+
 def known_keys() -> set[str]:
-    """Every key resolve_params accepts now: the core's, 'density', and the registered codec
-    packages' keys."""
-    return set(DEFAULTS) | {"density"}.union(*(k.defaults for k in _CODEC_KEYS.values()))
+    """Every key resolve_params accepts now: the core's, their ALIASES, and the registered
+    codec packages' keys."""
+    return set(DEFAULTS) | set(ALIASES).union(*(k.defaults for k in _CODEC_KEYS.values()))
 
 
 def _codec_of(p: dict[str, Any]) -> PayloadCodec | None:
@@ -442,12 +446,12 @@ def _resolve(params: dict[str, Any]) -> tuple[dict[str, Any], PayloadCodec | Non
             f"unknown parameter(s) {sorted(unknown)}; valid keys: {sorted(known)}{hint}"
         )
     p = {**DEFAULTS, **params}
-    if "density" in params:
-        if params.get("compress_ratio") not in (None, params["density"]):
-            raise ValueError(
-                "'density' is an alias of 'compress_ratio': give one of them, not both"
-            )
-        p["compress_ratio"] = params["density"]
+    for alias, key in ALIASES.items():
+        if alias in params:
+            if params.get(key) not in (None, params[alias]):
+                raise ValueError(f"'{alias}' is an alias of '{key}': give one of them, not both")
+            p[key] = params[alias]
+            del p[alias]
     for param in PARAMS:
         if param.key == "compress_ratio" and p["compress_ratio"] is None:
             p["compress_ratio"] = 0.3 if p["compressor"] == "dgc" else 0.01

@@ -56,3 +56,14 @@ def test_a_param_validates_as_declared():
     choice = Param("y", "a", "doc", choices=("a", "b"), kind="thing")
     with pytest.raises(ValueError, match=r"^unknown thing 'c'; valid choices: a, b$"):
         choice.validate("c")
+
+
+def test_graces_own_key_names_are_accepted():
+    """compress_rank is GRACE's name for the PowerSGD rank; with both names given they must
+    agree."""
+    from spardl_grace.registry import resolve_params
+    powersgd = {"compressor": "powersgd", "memory": "powersgd"}
+    assert resolve_params({**powersgd, "compress_rank": 4})["powersgd_rank"] == 4
+    assert "compress_rank" not in resolve_params({**powersgd, "compress_rank": 4})
+    with pytest.raises(ValueError, match="'compress_rank' is an alias of 'powersgd_rank'"):
+        resolve_params({**powersgd, "compress_rank": 4, "powersgd_rank": 2})
