@@ -2,14 +2,17 @@
 
     python -m benchmarks.user_loops --runs 20 --json benchmarks/results/user_loops.json
 
-Each job is one of tests/user_loops.py's scenarios on 3 ranks under a real launcher (as
-tests/test_user_loops.py runs it once): the user's collectives, barrier and object broadcast
-between backward and step; hand-written optimizers under the DDP hook (torchrun only); the
-other patterns (evaluation mid-epoch, a GAN, AMP with a GradScaler and clipping, unused
-parameters; under torchrun also torch.compile and a user's subgroup). A run passes when every
-rank ends with the same parameters; one that has not ended within --timeout seconds is a hang
-(its processes are killed). Writes per job and launcher the runs, passes, failures and hangs,
-and each run's seconds.
+Each job is one of the tests' scenarios under a real launcher (as tests/test_user_loops.py,
+test_fsdp.py and test_trainers.py run it once): the user's collectives, barrier and object
+broadcast between backward and step; hand-written optimizers under the DDP hook (torchrun
+only); the other patterns (evaluation mid-epoch, a GAN, AMP with a GradScaler and clipping,
+unused parameters; under torchrun also torch.compile and a user's subgroup); FSDP2 with
+torchtitan's settings (4 ranks); Accelerate's save_state from every rank and from the main
+process alone, and Lightning's checkpoint resume (2 ranks, torchrun). A run passes when it
+ends and what the ranks saved passes the job's check (the same parameters on every rank, or
+the test's equalities); one that has not ended within --timeout seconds is a hang (its
+processes are killed). Writes per job and launcher the runs, passes, failures and hangs, and
+each run's seconds.
 """
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ import signal
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,15 +33,52 @@ from benchmarks.comm import machine
 from benchmarks.launch import ROOT, launch_env, launcher_command
 
 WORKER = ROOT / "tests" / "mp_worker.py"
-#: job name: (scenario in tests/user_loops.py, the launchers it runs under)
+
+
+def _same_params(ranks: list[dict]) -> bool:
+    return all(torch.equal(r[k]["params"], ranks[0][k]["params"]) for r in ranks for k in ranks[0])
+
+
+def _hsdps_gradients(ranks: list[dict]) -> bool:
+    return all(torch.equal(h, n) for got in ranks for case in ("one", "accumulated")
+               for h, n in zip(got[case]["hybrid"], got[case]["native"]))
+
+
+def _resumed_bit_for_bit(ranks: list[dict]) -> bool:
+    return all(torch.equal(r["straight"], ranks[0]["straight"])
+               and torch.equal(r["straight"], r["resumed"]) for r in ranks)
+
+
+def _accelerate(ranks: list[dict]) -> bool:
+    return _resumed_bit_for_bit(ranks) and all(
+        "missing: ranks [1]" in r["main_only"] for r in ranks)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A scenario (MODULE.FUNCTION of tests/), its ranks, the launchers it runs under and
+    the check that what every rank saved must pass."""
+    scenario: str
+    ranks: int
+    launchers: tuple[str, ...]
+    check: Callable[[list[dict]], bool]
+
+
+ALL = ("gloo", "mpi", "horovod")
 JOBS = {
-    "collectives_between_backward_and_step": ("collectives_between_backward_and_step",
-                                              ("gloo", "mpi", "horovod")),
-    "handwritten_optimizers_under_the_ddp_hook": ("handwritten_optimizers_under_the_ddp_hook",
-                                                  ("gloo",)),
-    "more_patterns": ("more_patterns", ("gloo", "mpi", "horovod")),
+    "collectives_between_backward_and_step": Job(
+        "user_loops.collectives_between_backward_and_step", 3, ALL, _same_params),
+    "handwritten_optimizers_under_the_ddp_hook": Job(
+        "user_loops.handwritten_optimizers_under_the_ddp_hook", 3, ("gloo",), _same_params),
+    "more_patterns": Job("user_loops.more_patterns", 3, ALL, _same_params),
+    "fsdp2_with_torchtitans_settings": Job(
+        "fsdp_scenarios.torchtitan_settings_equal_native_hsdp", 4, ("gloo",), _hsdps_gradients),
+    "accelerate_save_state_and_main_process_save": Job(
+        "trainer_scenarios.accelerate_resume", 2, ("gloo",), _accelerate),
+    "lightning_checkpoint_resume": Job(
+        "trainer_scenarios.lightning_resume", 2, ("gloo",), _resumed_bit_for_bit),
 }
-LAUNCHERS = ("gloo", "mpi", "horovod")
+LAUNCHERS = ALL
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,11 +102,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_once(scenario: str, launcher: str, timeout: float) -> dict[str, Any]:
-    """One job: 'pass' (every rank's parameters equal), 'fail' (an error exit or ranks that
-    differ) or 'hang' (not ended within `timeout`), with its seconds."""
+def run_once(job: Job, launcher: str, timeout: float) -> dict[str, Any]:
+    """One run: 'pass' (ended, and the ranks' results pass the job's check), 'fail' (an error
+    exit or a failed check) or 'hang' (not ended within `timeout`), with its seconds."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = launcher_command(launcher, 3, [str(WORKER), launcher, f"user_loops.{scenario}", out])
+        cmd = launcher_command(launcher, job.ranks, [str(WORKER), launcher, job.scenario, out])
         started = time.monotonic()
         with subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
@@ -79,20 +120,19 @@ def run_once(scenario: str, launcher: str, timeout: float) -> dict[str, Any]:
         seconds = time.monotonic() - started
         if proc.returncode:
             return {"outcome": "fail", "seconds": seconds, "tail": output[-2000:]}
-        ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(3)]
-    same = all(torch.equal(r[k]["params"], ranks[0][k]["params"]) for r in ranks for k in ranks[0])
-    return {"outcome": "pass" if same else "fail", "seconds": seconds}
+        ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=False)
+                 for r in range(job.ranks)]
+    return {"outcome": "pass" if job.check(ranks) else "fail", "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     rows = []
     for job in args.jobs:
-        scenario, launchers = JOBS[job]
-        for launcher in (x for x in args.launchers if x in launchers):
+        for launcher in (x for x in args.launchers if x in JOBS[job].launchers):
             runs = []
             for i in range(args.runs):
-                runs.append(run_once(scenario, launcher, args.timeout))
+                runs.append(run_once(JOBS[job], launcher, args.timeout))
                 print(f"{job} {launcher} run {i + 1}: {runs[-1]['outcome']} "
                       f"({runs[-1]['seconds']:.1f} s)", flush=True)
             rows.append({"job": job, "launcher": launcher, "runs": len(runs),
