@@ -121,8 +121,6 @@ class CommHookState:
 
     def _build(self, grace: Synchronizer) -> GradientSync:
         warmup, min_numel, overlap, timeout = self._sync_args
-        # The steps before Adam's variance freezes are the dense ones that estimate it.
-        warmup = max(warmup, self.adam_freeze_step)
         return GradientSync(grace, warmup, min_numel, overlap, "spardl-ddp-comm", timeout)
 
     @property

@@ -161,10 +161,9 @@ class _DistributedOptimizer:
             raise ValueError(
                 f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
             )
-        # The steps before Adam's variance freezes are the dense ones that estimate it.
         self._sync = GradientSync(
             grace,
-            max(dense_warmup_steps, adam_freeze_step),
+            dense_warmup_steps,
             min_numel,
             overlap,
             "spardl-comm",

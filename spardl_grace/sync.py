@@ -224,7 +224,8 @@ class GradientSync:
         self.grace = grace
         grace.reuse_results = True  # each result is copied into the gradients before the next step
         self.dense = Dense(NoneMemory(), grace.transport)
-        self.dense_warmup_steps = dense_warmup_steps
+        # The steps before an Adam's variance freezes are the dense ones that estimate it.
+        self.dense_warmup_steps = max(dense_warmup_steps, grace.adam_freeze_step)
         self.min_numel = min_numel
         self.steps = 0
         #: whether the last finished step synchronised every bucket sparsely with a finite

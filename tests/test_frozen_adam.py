@@ -160,3 +160,21 @@ def test_what_cannot_freeze_is_refused_naming_the_way():
                            "adam_freeze_step": 5}, transport=None)
     with pytest.raises(ValueError, match="adam_freeze_step"):
         grace_from_params({**SPARDL, "adam_freeze_step": -1})
+
+
+def test_a_negative_dense_warmup_is_refused_with_or_without_the_freeze():
+    """The freeze lengthens the dense steps; it must not hide a bad dense_warmup_steps."""
+    from spardl_grace import CommHookState
+
+    def fn(t):
+        errors = []
+        for freeze in (0, 3):
+            grc = grace_from_params({**SPARDL, "adam_freeze_step": freeze}, transport=t)
+            for build in (lambda: DistributedOptimizer(torch.optim.AdamW(_model().parameters()),
+                                                       grc, dense_warmup_steps=-1),
+                          lambda: CommHookState(grc, _model(), dense_warmup_steps=-1)):
+                with pytest.raises(ValueError, match="dense_warmup_steps must be an int >= 0"):
+                    build()
+                errors.append(freeze)
+        return errors
+    assert run_local(1, fn) == [[0, 0, 3, 3]]
