@@ -26,6 +26,7 @@ from .transport import (
     DEFAULT_TIMEOUT_S,
     Transport,
     TransportError,
+    TransportTimeout,
     default_transport,
     under_mpirun,
 )
@@ -172,7 +173,11 @@ def _join_torchrun(backend: str, timeout: float) -> None:
         else:
             start_torch_distributed(backend, timeout)
     except RuntimeError as exc:  # torch's DistError and gloo's errors are RuntimeErrors
-        raise TransportError(
+        # a peer frozen in the rendezvous shows as a timeout; a dead one as another error
+        kind = (
+            TransportTimeout if "imeout" in str(exc) or "imed out" in str(exc) else TransportError
+        )
+        raise kind(
             f"torchrun restart round {attempt}: rank {rank} of {world} could not join the "
             f"others within {timeout:g} s ({type(exc).__name__}: {exc})"
         ) from exc

@@ -102,7 +102,11 @@ class TorchDistTransport(PointToPoint, Transport):
             )
         self.backend = backend_spec(group)
         self.user_group = group
-        self.group = private_group(group, timeout)
+        try:
+            self.group = private_group(group, timeout)
+        except RuntimeError as exc:  # a peer that died or froze while the groups were made
+            fail_job_at_exit("torch", exit_with_failure)
+            raise backend_failure(exc, dist.get_rank(), "the library's own process group") from exc
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self.timeout = timeout
