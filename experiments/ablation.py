@@ -94,13 +94,24 @@ def config_options(config: str, total_steps: int = 0) -> list[str]:
     if "floor" not in techniques:
         options += ["--min-entries", "0"]  # so that a config's density is the density sent
     for t in techniques:
-        if t == "adamfreeze":  # dense for the steps PowerSGD's hook runs dense, then frozen
-            options += ["--adam-freeze-step", str(max(1, round(START_FRACTION * total_steps)))]
+        if t.startswith("adamfreeze"):
+            options += ["--adam-freeze-step", str(_freeze_step(t, total_steps))]
             continue
         if t not in TECHNIQUES:
-            raise ValueError(f"unknown technique {t!r}; valid: {', '.join(TECHNIQUES)}, adamfreeze")
+            raise ValueError(f"unknown technique {t!r}; valid: {', '.join(TECHNIQUES)}, "
+                             "adamfreeze, adamfreezePCT")
         options += TECHNIQUES[t]
     return options
+
+
+def _freeze_step(technique: str, total_steps: int) -> int:
+    """The step at which 'adamfreeze' (at START_FRACTION of the steps, when PowerSGD's hook
+    starts compressing) or 'adamfreezePCT' (at PCT percent of them) freezes AdamW's variance."""
+    percent = technique[len("adamfreeze"):]
+    if percent and not (percent.isdigit() and 0 < int(percent) < 100):
+        raise ValueError(f"{technique!r}: write adamfreeze or adamfreezePCT, 0 < PCT < 100")
+    fraction = int(percent) / 100 if percent else START_FRACTION
+    return max(1, round(fraction * total_steps))
 
 
 def _torch_baseline(algorithm: str, total_steps: int) -> list[str] | None:

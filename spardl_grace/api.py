@@ -24,7 +24,6 @@ torch.load(weights_only=True).
 
 from __future__ import annotations
 
-import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from .agreement import agree, digest, settings_of
+from .comm_thread import CommThread, future_for
 from .transport import Transport
 from .warmup import warmup_density
 
@@ -222,30 +222,14 @@ def aggregate(compressor: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return combine(tensors) if callable(combine) else Compressor.aggregate(compressor, tensors)
 
 
-def communication_thread(
-    transport: Transport, name: str
-) -> concurrent.futures.ThreadPoolExecutor | None:
-    """One thread, named `name`, that runs communication in the order it is submitted; None
-    when the transport cannot be used from another thread (an MPI library without
-    MPI_THREAD_MULTIPLE): then the caller communicates itself."""
+def communication_thread(transport: Transport, name: str) -> CommThread | None:
+    """One thread, named `name`, that runs communication in the order it is submitted, on its
+    own CUDA stream for CUDA tensors (spardl_grace.comm_thread); None when the transport cannot
+    be used from another thread (an MPI library without MPI_THREAD_MULTIPLE): then the caller
+    communicates itself."""
     if not getattr(transport, "thread_safe", True):
         return None
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
-
-
-def fulfil(handle: torch.futures.Future, run: Any, *args: Any) -> None:
-    """Settle `handle` with run(*args) or the exception it raises."""
-    try:
-        result = run(*args)
-    except BaseException as exc:
-        fail(handle, exc)
-        return
-    handle.set_result(result)
-
-
-def fail(handle: torch.futures.Future, exc: BaseException) -> None:
-    """Settle `handle` with `exc` (torch's stubs type the argument as the result's type)."""
-    handle.set_exception(exc)
+    return CommThread(name)
 
 
 def _resolve_transport(transport: Transport | int | None) -> Transport:
@@ -309,7 +293,7 @@ class Synchronizer(ABC):
         _bind(memory, transport)
         self.last_stats: dict[str, float] = {}
         self._agreed: dict[str, int] = {}
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: CommThread | None = None
 
     def _parts(self) -> dict[str, Any]:
         """The parts besides the memory whose settings the ranks agree on and whose state is
@@ -375,11 +359,11 @@ class Synchronizer(ABC):
         is a torch.futures.Future of the synchronised tensor, for receive_step(). It is
         complete when send_step() returns, unless overlap() is on: then it is pending while a
         communication thread exchanges, and holds the step's exception if one is raised."""
-        handle: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        handle: torch.futures.Future[torch.Tensor] = future_for(tensor)
         if self._executor is None:
             handle.set_result(self.synchronize(tensor, name))
         else:
-            self._executor.submit(fulfil, handle, self.synchronize, tensor, name)
+            self._executor.submit(handle, tensor, self.synchronize, tensor, name)
         return handle, None
 
     def receive_step(self, handles: Any, ctx: Any) -> torch.Tensor:

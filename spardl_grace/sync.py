@@ -31,9 +31,8 @@ from .api import (
     Synchronizer,
     communication_dtype,
     communication_thread,
-    fail,
-    fulfil,
 )
+from .comm_thread import fail, fulfil, future_for
 from .communicators.dense import Dense
 from .memories.none import NoneMemory
 from .transport.base import QueuedOp, TransportTimeout, timeout_at_most
@@ -254,15 +253,18 @@ class GradientSync:
         dense averages (see the class docstring): the future is pending until the result is
         there, and holds synchronize()'s exception if it fails. Every rank must submit the
         same buckets in the same order within a step, then call end_step()."""
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._pending.append(future)
         queueing = self._queueing()
+        # A queued all-reduce's own future orders its result against the waiter's streams.
+        future: torch.futures.Future[torch.Tensor] = (
+            torch.futures.Future() if queueing is not None else future_for(flat)
+        )
+        self._pending.append(future)
         if queueing is not None:
             self._queue(queueing, flat, bucket, future)
         elif self._executor is None:
             fulfil(future, self._in_step, self.synchronize, flat, bucket)
         else:
-            self._executor.submit(fulfil, future, self._in_step, self.synchronize, flat, bucket)
+            self._executor.submit(future, flat, self._in_step, self.synchronize, flat, bucket)
         return future
 
     def _queueing(self) -> Dense | None:

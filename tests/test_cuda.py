@@ -222,3 +222,118 @@ def test_a_nan_on_cuda_reaches_every_ranks_result_and_lent_results_equal_fresh(c
             (True, True), (True, True), (False, False), (True, True), (True, True)]
         for (a, _, _), (b, _, _), (c, _, _) in zip(lent[rank], fresh[rank], lent[0]):
             assert torch.equal(a, b) and torch.equal(a, c)
+
+
+SLOW_PRODUCTS = 8  # 4096 x 4096 float32 products before each gradient is written: ~20 ms
+SLOW_SIZES = (40_000, 70_001, 25_000, 90_000)  # one bucket each (bucket_cap_mb below)
+
+
+class SlowGradient(torch.autograd.Function):
+    """Backward runs slow matrix products on the current stream and then writes `given` as
+    the weight's gradient: a stream that read the gradient without waiting for backward's
+    stream would read it before it is written."""
+
+    @staticmethod
+    def forward(ctx, weight, given, work):
+        ctx.save_for_backward(given, work)
+        return (weight * 0).sum()
+
+    @staticmethod
+    def backward(ctx, _):
+        given, work = ctx.saved_tensors
+        if work.is_cuda:
+            for _ in range(SLOW_PRODUCTS):
+                torch.mm(work, work)
+        return given.clone(), None, None
+
+
+class SlowModel(torch.nn.Module):
+    """Parameters whose gradient at (rank, step) is a fixed float64 draw, written late."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.zeros(n, dtype=torch.float64, device=device)) for n in SLOW_SIZES)
+        self.register_buffer("work", torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0))
+                             .to(device), persistent=False)
+
+    def forward(self, rank: int, step: int):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        return sum(SlowGradient.apply(w, torch.randn(w.numel(), generator=g, dtype=torch.float64)
+                                      .to(w.device), self.work) for w in self.weights)
+
+
+def synchronised_gradients(transport, device: torch.device, integration: str, overlap: bool,
+                           steps: int = 4) -> list[list[torch.Tensor]]:
+    """Each step's averaged gradients (SparDL at 0.05 on the default wire) through
+    DistributedOptimizer or the DDP hook, one bucket per weight, with or without the
+    communication thread."""
+    from spardl_grace import CommHookState, comm_hook
+    model = SlowModel(device)
+    grc = grace_from_params({"compressor": "topk", "memory": "global_residual",
+                             "communicator": "spardl", "compress_ratio": 0.05}, transport=transport)
+    if integration == "ddp_hook":
+        trained = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.3,
+            broadcast_buffers=False)
+        trained.register_comm_hook(CommHookState(grc, trained, overlap=overlap), comm_hook)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.0)
+    else:
+        trained = model
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), grc,
+                                         named_parameters=model.named_parameters(),
+                                         bucket_cap_mb=0.3, overlap=overlap)
+    out = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        trained(transport.rank, step).backward()
+        optimizer.step()
+        out.append([w.grad.detach().cpu().clone() for w in model.weights])
+    return out
+
+
+def unsynchronised_read_differs() -> bool:
+    """The hazard the events guard against, shown here: a side stream that copies a gradient
+    without waiting reads it before backward's stream has written it."""
+    model = SlowModel(CUDA)
+    side = torch.cuda.Stream(CUDA)
+    missed = False
+    for step in range(3):
+        model.weights[0].grad = None
+        model(0, step).backward()  # returns once the kernels are launched, not run
+        grad = model.weights[0].grad
+        with torch.cuda.stream(side):
+            early = grad.clone()
+        torch.cuda.synchronize(CUDA)
+        missed = missed or not torch.equal(early, grad)
+    return missed
+
+
+def overlapped_gradients(transport) -> dict:
+    """Entry point for tests/mp_worker.py: two gloo processes sharing the GPU."""
+    torch.cuda.set_device(CUDA)
+    out = {"hazard_seen": unsynchronised_read_differs()}
+    for integration in ("optimizer", "ddp_hook"):
+        for overlap in (True, False):
+            out[f"cuda.{integration}.{overlap}"] = synchronised_gradients(
+                transport, CUDA, integration, overlap)
+        out[f"cpu.{integration}"] = synchronised_gradients(
+            transport, torch.device("cpu"), integration, True)
+    return out
+
+
+def test_communication_thread_overlaps_backward_on_its_own_stream_and_equals_the_cpu(launch):
+    """Two processes share the GPU over gloo. Each bucket's gradient is written after ~20 ms of
+    matrix products on backward's stream while the communication thread already works on
+    earlier buckets on its own stream: the events make it wait for each gradient, so
+    DistributedOptimizer and the DDP hook give, bit for bit, what they give without the
+    thread and what the CPU gives, on both ranks. The control shows that a stream that does
+    not wait reads the gradients unwritten here, so the comparison can fail."""
+    per_rank = launch("gloo", 2, "test_cuda.overlapped_gradients", timeout=400)
+    assert per_rank[0]["hazard_seen"] and per_rank[1]["hazard_seen"]
+    for integration in ("optimizer", "ddp_hook"):
+        cpu = per_rank[0][f"cpu.{integration}"]
+        for rank in range(2):
+            for key in (f"cuda.{integration}.True", f"cuda.{integration}.False", f"cpu.{integration}"):
+                for step, (got, want) in enumerate(zip(per_rank[rank][key], cpu)):
+                    assert all(torch.equal(a, b) for a, b in zip(got, want)), (key, rank, step)

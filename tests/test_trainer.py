@@ -761,12 +761,16 @@ def test_ablation_configs_for_the_accuracy_per_byte_front():
     # the transformer front's: AdamW frozen after PowerSGD's dense start, and DiLoCo
     assert ablation.config_options("spardl@0.01+adamfreeze", 3744)[-2:] == [
         "--adam-freeze-step", "374"]
+    assert ablation.config_options("spardl@0.01+adamfreeze25", 1000)[-2:] == [
+        "--adam-freeze-step", "250"]
     assert ablation.config_options("diloco20", 3744) == [
         "--compression", "--compressor", "diloco", "--density-warmup", "0",
         "--diloco-period", "20"]
     for bad, match in [("powersgd", "write powersgdN"), ("powersgd0", "a whole number"),
                        ("fp162", "write fp16"), ("spardl@1.5", "must be a number in"),
-                       ("dense@0.1", "only the learning-rate"), ("postlocal4+mc", "PyTorch's own")]:
+                       ("dense@0.1", "only the learning-rate"), ("postlocal4+mc", "PyTorch's own"),
+                       ("spardl@0.01+adamfreeze100", "0 < PCT < 100"),
+                       ("spardl@0.01+adamfreezex", "0 < PCT < 100")]:
         with pytest.raises(ValueError, match=match):
             ablation.config_options(bad, 3744)
 

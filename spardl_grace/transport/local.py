@@ -61,7 +61,14 @@ class LocalTransport(Transport):
         return [LocalTransport(w, r) for r in range(size)]
 
     def _send(self, dst: int, name: str, tensor: torch.Tensor) -> None:
-        self._world.queues[(self.rank, dst)].put((name, tensor.detach().clone()))
+        copy = tensor.detach().clone()
+        written = None
+        if copy.is_cuda:
+            # The ranks' threads may run on different streams (each rank's communication
+            # thread has its own): the receiver waits for the copy to be written.
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(copy.device))
+        self._world.queues[(self.rank, dst)].put((name, copy, written))
 
     def _recv(self, src: int, name: str, like: torch.Tensor) -> torch.Tensor:
         q = self._world.queues[(src, self.rank)]
@@ -70,7 +77,7 @@ class LocalTransport(Transport):
             if self._world.failed.is_set():
                 raise PeerFailure(f"rank {self.rank}: another rank failed during '{name}'")
             try:
-                got_name, tensor = q.get(timeout=_POLL_S)
+                got_name, tensor, written = q.get(timeout=_POLL_S)
                 break
             except queue.Empty:
                 if time.monotonic() > deadline:
@@ -83,6 +90,10 @@ class LocalTransport(Transport):
                 f"rank {self.rank}: expected '{name}' from rank {src}, got '{got_name}' "
                 "(ranks are running different sequences of operations)"
             )
+        if written is not None:
+            stream = torch.cuda.current_stream(tensor.device)
+            stream.wait_event(written)
+            tensor.record_stream(stream)  # freed here, not on the sender's stream
         return tensor.to(like.device)
 
     def sendrecv(
