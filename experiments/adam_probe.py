@@ -14,6 +14,11 @@ Variants:
                   gradient, so what error feedback delays arrives with its full weight)
   preconditioned  as frozen, but each worker selects and accumulates its gradient divided by
                   the frozen sqrt(v) (top-k in the units of the update)
+  update          each worker runs AdamW's moments on its own (clipped) gradient and sends
+                  the top-k of its residual plus its own step (lr times m / sqrt(v)); the
+                  average of what they send is applied, weight decay beside it on every
+                  worker alike: the update, not the gradient, is compressed, so what error
+                  feedback delays arrives as the movement Adam asked for
 
 It also records, per variant, how far each parameter entry moved over the run against dense
 AdamW's movement (the ratio of the L2 norms of the total displacement, and of the sum of each
@@ -35,7 +40,7 @@ from torch.nn import functional as F
 from experiments.models import DecoderLM
 from experiments.text import CHAR_VOCAB, load_wikipedia_chars
 
-VARIANTS = ("dense", "topk", "frozen", "preconditioned")
+VARIANTS = ("dense", "topk", "frozen", "preconditioned", "update")
 BETAS, EPS = (0.9, 0.95), 1e-8
 
 
@@ -92,6 +97,9 @@ class Probe:
         self.params = list(self.model.parameters())
         self.decay = torch.cat([torch.full((p.numel(),), float(p.dim() >= 2)) for p in self.params])
         self.m, self.v = torch.zeros(n), torch.zeros(n)
+        # 'update': each worker's own moments
+        self.local = [(torch.zeros(n), torch.zeros(n)) for _ in range(args.workers)] \
+            if variant == "update" else []
         self.v_frozen: torch.Tensor | None = None
         self.residuals = [torch.zeros(n) for _ in range(args.workers)]
         self.k = max(1, round(args.density * n))
@@ -116,6 +124,10 @@ class Probe:
         lr = lr_at(step, args)
         dense_phase = self.variant == "dense" or (
             self.variant in ("frozen", "preconditioned") and step < args.dense_steps)
+        if self.variant == "update":
+            self._apply(self._update_average(step, grads, lr)
+                        + lr * args.weight_decay * self.decay * self.flat())
+            return
         if self.variant == "preconditioned" and not dense_phase:
             scale = self.v_frozen.sqrt().add_(EPS)
             g = topk_average([x / scale for x in grads], self.residuals, self.k)
@@ -132,7 +144,21 @@ class Probe:
                 update = self._momentum(g, step) / self.v_frozen.sqrt().add_(EPS)
         if self.variant in ("frozen", "preconditioned") and step == args.dense_steps - 1:
             self.v_frozen = self.v / (1 - BETAS[1] ** (step + 1))
-        update = lr * (update + args.weight_decay * self.decay * self.flat())
+        self._apply(lr * (update + args.weight_decay * self.decay * self.flat()))
+
+    def _update_average(self, step: int, grads: list[torch.Tensor], lr: float) -> torch.Tensor:
+        """'update': the average of the workers' top-k of (residual + own AdamW step)."""
+        steps, t = [], step + 1
+        for g, (m, v) in zip(grads, self.local):
+            norm = g.norm()
+            if norm > self.args.clip_norm:
+                g = g * (self.args.clip_norm / norm)
+            m.lerp_(g, 1 - BETAS[0])
+            v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
+            steps.append(lr * (m / (1 - BETAS[0] ** t)) / ((v / (1 - BETAS[1] ** t)).sqrt() + EPS))
+        return topk_average(steps, self.residuals, self.k)
+
+    def _apply(self, update: torch.Tensor) -> None:
         self.path += update.abs()
         offset = 0
         with torch.no_grad():
