@@ -49,6 +49,7 @@ TECHNIQUES = {
     "layer": ["--bucket-cap-mb", "1e-9"],
     "hybrid": ["--fsdp", "hybrid"],  # FSDP2 inside 2 "nodes", the sparse all-reduce between
     "flat": ["--fsdp", "flat"],  # FSDP2 over every rank, SparDL's reduce-scatter
+    "update": ["--exchange", "update"],  # each rank's optimizer step synchronised, not the gradient
 }
 LR_TECHNIQUES = ("lrwarmup",)  # they change the optimiser, not the synchronisation
 DEFAULT_CONFIGS = "dense,spardl,spardl+warmup,spardl+mc,spardl+clip,spardl+warmup+mc,spardl+warmup+mc+clip"

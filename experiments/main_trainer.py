@@ -149,6 +149,8 @@ def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -
         params["min_entries"] = args.min_entries
     if args.adam_freeze_step:
         params["adam_freeze_step"] = args.adam_freeze_step
+    if args.exchange != "gradient":
+        params["exchange"] = args.exchange
     return {**params, **library_warmup(args, steps_per_epoch)}
 
 
@@ -252,6 +254,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "dense, then AdamW's second moment frozen so that its update is linear "
                         "in the sparse gradient (grace_from_params' 'adam_freeze_step'; "
                         "not with --fsdp)")
+    p.add_argument("--exchange", default="gradient", choices=("gradient", "update"),
+                   help="what this library's DistributedOptimizer synchronises: the gradient, or "
+                        "each rank's own optimizer step (grace_from_params' 'exchange'; update: "
+                        "not with --ddp-hook, --fsdp or a baseline)")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
     p.add_argument("--value", default="polyfit")
@@ -334,6 +340,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--adam-freeze-step N (N >= 1) freezes AdamW's second moment in this library's "
                 "DistributedOptimizer or DDP hook: it needs --optimizer adamw, and neither a "
                 "baseline nor --fsdp")
+    if args.exchange == "update" and (not args.compression or baseline or args.fsdp
+                                      or args.ddp_hook or args.momentum_correction
+                                      or args.adam_freeze_step):
+        p.error("--exchange update synchronises each rank's optimizer step in this library's "
+                "DistributedOptimizer: it needs --compression with this library's algorithm, "
+                "and none of a baseline, --fsdp, --ddp-hook, --momentum-correction, "
+                "--adam-freeze-step")
     if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
     if args.bucket_cap_mb is not None and baseline and args.compressor == "torch_powersgd":

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .api import Synchronizer
-from .registry import grace_from_params, resolve_params
+from .registry import grace_from_params, refuse_update_exchange, resolve_params
 from .step_hooks import watch
 from .sync import (
     FIRST_STEP_TIMEOUT_S,
@@ -94,6 +94,7 @@ class CommHookState:
             )
             self.momentum_correction = resolved["momentum_correction"]
             self.adam_freeze_step = resolved["adam_freeze_step"]
+            refuse_update_exchange(resolved["exchange"], "the DDP hook")
         elif not isinstance(grace, Synchronizer):
             raise TypeError(
                 "grace must be a communicator from grace_from_params(...) or a dict of its "
@@ -111,6 +112,7 @@ class CommHookState:
         if isinstance(grace, Synchronizer):
             self.momentum_correction = getattr(grace.memory, "momentum_correction", 0.0)
             self.adam_freeze_step = grace.adam_freeze_step
+            refuse_update_exchange(grace.exchange, "the DDP hook")
             self._sync = self._build(grace)
         #: steps of torch.optim optimizers that hold these parameters (_count_optimizer_step)
         self.optimizer_steps = 0

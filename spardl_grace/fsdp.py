@@ -270,9 +270,11 @@ def hybrid_shard(
     the ShardSync. `fully_shard_kwargs` go to every fully_shard call (mp_policy,
     reshard_after_forward, ...). ValueError for a mesh that is not
     2-D with those dimension names, and for params grace_from_params refuses."""
-    from .registry import grace_from_params, resolve_params
+    from .registry import grace_from_params, refuse_update_exchange, resolve_params
 
-    refuse_without_the_step(resolve_params(dict(params))["adam_freeze_step"], "FSDP2")
+    resolved = resolve_params(dict(params))
+    refuse_without_the_step(resolved["adam_freeze_step"], "FSDP2")
+    refuse_update_exchange(resolved["exchange"], "FSDP2")
     _check_mesh(mesh, replicate, shard)
     transport = TorchDistTransport(group=mesh[replicate].get_group())
     grace = grace_from_params(dict(params), transport=transport)
@@ -302,9 +304,11 @@ def flat_shard(
     from torch.distributed.device_mesh import init_device_mesh
 
     from .communicators.spardl import SparDL
-    from .registry import grace_from_params, resolve_params
+    from .registry import grace_from_params, refuse_update_exchange, resolve_params
 
-    refuse_without_the_step(resolve_params(dict(params))["adam_freeze_step"], "FSDP2")
+    resolved = resolve_params(dict(params))
+    refuse_without_the_step(resolved["adam_freeze_step"], "FSDP2")
+    refuse_update_exchange(resolved["exchange"], "FSDP2")
     if mesh is not None and mesh.ndim != 1:
         raise ValueError(
             f"flat_shard shards over a 1-D device mesh, got a {mesh.ndim}-D one; for a 2-D "

@@ -50,3 +50,22 @@ def assign_grads(params: Iterable[torch.nn.Parameter], flat: torch.Tensor) -> No
         else:
             p.grad = part.to(p.dtype).clone()
         offset += p.numel()
+
+
+def flatten_params(params: Iterable[torch.nn.Parameter], dtype: torch.dtype) -> torch.Tensor:
+    """The parameters' values back to back in `dtype`: a new tensor, never a view of them."""
+    return torch.cat([p.detach().reshape(-1).to(dtype) for p in params])
+
+
+def assign_params(params: Iterable[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy each parameter's slice of `flat` (the inverse of flatten_params) into the
+    parameter, in its own dtype."""
+    params = list(params)
+    total = sum(p.numel() for p in params)
+    if flat.numel() != total:
+        raise ValueError(f"flat buffer has {flat.numel()} entries, the parameters {total}")
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()

@@ -28,7 +28,7 @@ import torch
 from .api import Synchronizer, communication_dtype
 from .buffers import BufferPool
 from .frozen_adam import check_optimizer, frozen_step
-from .fusion import assign_grads, flatten_grads
+from .fusion import assign_grads, assign_params, flatten_grads, flatten_params
 from .horovod_compat import (
     check_compression,
     check_process_set,
@@ -156,6 +156,7 @@ class _DistributedOptimizer:
         scale: tuple[float, float] = (1.0, 1.0),
         sparse_as_dense: bool = False,
         adam_freeze_step: int = 0,
+        exchange: str = "gradient",
     ) -> None:
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(
@@ -170,6 +171,7 @@ class _DistributedOptimizer:
             first_step_timeout,
         )
         self._adam_freeze_step = adam_freeze_step
+        self._exchanges_updates = exchange == "update"
         self._momentum_correction = getattr(grace.memory, "momentum_correction", 0.0)
         self.backward_passes_per_step = backward_passes_per_step
         self._slots = [_BucketSlot(m) for m in buckets]
@@ -217,7 +219,7 @@ class _DistributedOptimizer:
                 f"{self.backward_passes_per_step}: raise backward_passes_per_step to accumulate "
                 "gradients locally"
             )
-        if self._passes[p] == self.backward_passes_per_step:
+        if self._passes[p] == self.backward_passes_per_step and not self._exchanges_updates:
             slot = self._slots[self._slot_of[p]]
             slot.ready += 1
             self._launch_ready()
@@ -274,7 +276,13 @@ class _DistributedOptimizer:
     def synchronize(self) -> None:
         """Finish this step's communication and write the averaged gradients into .grad.
         Buckets whose gradients never arrived (unused parameters) are sent with zeros for
-        the missing ones, so every rank takes part in every bucket."""
+        the missing ones, so every rank takes part in every bucket. With 'exchange':
+        'update' the gradients stay this rank's own (step() exchanges the updates), so this
+        only closes the backward passes."""
+        if self._exchanges_updates:
+            self._passes = dict.fromkeys(self._passes, 0)
+            self._synchronized = True
+            return
         with self._launching:
             while len(self._pending) < len(self._slots):
                 self._launch(self._slots[len(self._pending)])
@@ -307,6 +315,13 @@ class _DistributedOptimizer:
         gradient zero, is how Horovod's broadcast_optimizer_state creates the state on the
         ranks that have none while the others wait for it: that step does not synchronise and
         leaves the parameters as they were (see _creates_state)."""
+        if self._exchanges_updates:
+            self._synchronized = False
+            return (
+                self._create_state(closure)
+                if self._creates_state()
+                else self._exchange_update(closure)
+            )
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(SYNCHRONIZED_TWICE, stacklevel=2)
@@ -326,6 +341,28 @@ class _DistributedOptimizer:
             # The wrapped optimizer's class follows this mixin in the MRO (see
             # DistributedOptimizer).
             return super().step(closure)  # type: ignore[misc]
+
+    def _exchange_update(self, closure):
+        """'exchange': 'update': the wrapped optimizer steps on this rank's own gradients;
+        its step (the parameters before minus after, in the communication dtype) is
+        synchronised bucket by bucket as a gradient would be (compressed, with the memory's
+        error feedback), and every rank sets its parameters to the ones before minus that
+        average, the same bits on every rank."""
+        before = [flatten_params(slot.params, slot.dtype) for slot in self._slots]
+        # The wrapped optimizer's class follows this mixin in the MRO (see DistributedOptimizer).
+        loss = super().step(closure)  # type: ignore[misc]
+        try:
+            for slot, old in zip(self._slots, before):
+                moved = old - flatten_params(slot.params, slot.dtype)
+                self._pending.append(self._sync.submit(moved, slot.bucket))
+            self._sync.wait_queued()
+            for slot, old, future in zip(self._slots, before, self._pending):
+                assign_params(slot.params, old.sub_(future.wait()))
+        finally:
+            self._pending = []
+            self._passes = dict.fromkeys(self._passes, 0)
+            self._sync.end_step()
+        return loss
 
     def _creates_state(self) -> bool:
         """Whether this step() only creates the optimizer's state: Horovod's
@@ -443,6 +480,11 @@ def DistributedOptimizer(
         grace = default_grace()
     check_compression(wire, grace)
     before, after = scale_factors(op, gradient_predivide_factor, grace.world_size)
+    if grace.exchange == "update" and (before, after) != (1.0, 1.0):
+        raise ValueError(
+            "'exchange': 'update' averages the ranks' optimizer steps: op must be Average and "
+            "gradient_predivide_factor 1.0"
+        )
     if groups is not None or num_groups:
         if bucket_cap_mb is not None:
             raise ValueError("pass groups (Horovod's) or bucket_cap_mb, not both")
@@ -473,5 +515,6 @@ def DistributedOptimizer(
         (before, after),
         sparse_as_dense,
         grace.adam_freeze_step,
+        grace.exchange,
     )
     return cast(torch.optim.Optimizer, wrapped)  # cls derives from the optimizer's own class

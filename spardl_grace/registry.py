@@ -217,6 +217,8 @@ DGC_TECHNIQUE_MEMORIES = {"global_residual", "residual"}
 
 #: the sparse all-reduces' own wire formats (key 'wire')
 WIRES = ("exact", "compact")
+#: what DistributedOptimizer's ranks exchange (grace_from_params' 'exchange')
+EXCHANGES = ("gradient", "update")
 #: the top-k kernels GRACE's topk compressor offers (its "kernel" key)
 TOPK_KERNELS = ("torch", "cupy", "rdxtopk_cuda")
 
@@ -329,6 +331,18 @@ PARAMS: tuple[Param, ...] = (
         "so what error feedback holds back arrives with its full weight (1-bit Adam's remedy; "
         "0: off)",
         int_at_least(0),
+    ),
+    Param(
+        "exchange",
+        "gradient",
+        "what DistributedOptimizer's ranks synchronise: 'gradient' (the average gradient, "
+        "then the optimizer steps) or 'update' (each rank's optimizer steps on its own "
+        "gradient, and the ranks apply the average of those steps, compressed with error "
+        "feedback: the optimizer's state stays per rank, and what a sparse exchange holds "
+        "back arrives as the movement the optimizer asked for, which an Adam-family optimizer "
+        "on a sparse gradient loses)",
+        choices=EXCHANGES,
+        kind="exchange",
     ),
     ranged(
         "min_entries",
@@ -488,6 +502,16 @@ def _check_wire(comm: str, coded: bool) -> None:
         )
 
 
+def refuse_update_exchange(exchange: str, where: str) -> None:
+    """ValueError for 'exchange': 'update' on a path that synchronises gradients inside
+    backward (the DDP hook, FSDP2): only DistributedOptimizer steps the optimizer itself."""
+    if exchange == "update":
+        raise ValueError(
+            f"'exchange': 'update' synchronises the optimizer's step, which {where} does not "
+            "take: use spardl_grace.DistributedOptimizer, or 'exchange': 'gradient'"
+        )
+
+
 def _check_combination(p: dict[str, Any], coded: bool) -> None:
     comp, mem, comm = p["compressor"], p["memory"], p["communicator"]
     for key in ("momentum_correction", "local_clip_norm"):
@@ -498,6 +522,11 @@ def _check_combination(p: dict[str, Any], coded: bool) -> None:
                 f"memory {mem!r}, communicator {comm!r} (GRACE's 'dgc' memory has its "
                 "own momentum)"
             )
+    if p["exchange"] == "update" and (p["momentum_correction"] or p["adam_freeze_step"]):
+        raise ValueError(
+            "'exchange': 'update' sends the optimizer's own step, which already carries its "
+            "momentum and variance: leave momentum_correction and adam_freeze_step at 0"
+        )
     if p["adam_freeze_step"] and comm == "dense":
         raise ValueError(
             "'adam_freeze_step' makes Adam's update linear for a compressed gradient; "
@@ -621,6 +650,7 @@ def grace_from_params(
     memory = given["memory"] if "memory" in given else MEMORIES[p["memory"]](p)
     built = algorithm.build(compressor, memory, transport, p, codec)
     built.adam_freeze_step = p["adam_freeze_step"]
+    built.exchange = p["exchange"]
     if algorithm.family == "sparse" and isinstance(built, SparseAllreduce):
         built.set_density_warmup(p["density_warmup_steps"], p["density_warmup_start"])
         built.set_min_entries(p["min_entries"])

@@ -389,6 +389,7 @@ class GradientSync:
                             # dense all-reduce with a sparse exchange
                             "dense_warmup_steps": self.dense_warmup_steps,
                             "adam_freeze_step": self.grace.adam_freeze_step,
+                            "exchange": self.grace.exchange,
                         },
                     )
             except ValueError as exc:

@@ -97,3 +97,17 @@ def test_adam_freeze_step_reaches_the_library_and_is_refused_where_it_cannot_act
         with pytest.raises(SystemExit):
             _args(*extra)
         assert "--adam-freeze-step N (N >= 1) freezes AdamW's second moment" in capsys.readouterr().err
+
+
+def test_exchange_update_reaches_the_library_and_is_refused_where_it_cannot_act(capsys):
+    args = _args("--optimizer", "adamw", "--compression", "--exchange", "update")
+    assert main_trainer.grace_params(args)["exchange"] == "update"
+    assert "exchange" not in main_trainer.grace_params(_args("--compression"))
+    for extra in (["--exchange", "update"],  # no compression: DDP's own all-reduce
+                  ["--compression", "--ddp-hook", "--exchange", "update"],
+                  ["--compression", "--fsdp", "hybrid", "--nworkers", "4", "--exchange", "update"],
+                  ["--compression", "--compressor", "torch_powersgd", "--exchange", "update"],
+                  ["--compression", "--momentum-correction", "0.9", "--exchange", "update"]):
+        with pytest.raises(SystemExit):
+            _args(*extra)
+        assert "--exchange update synchronises each rank's optimizer step" in capsys.readouterr().err

@@ -763,6 +763,7 @@ def test_ablation_configs_for_the_accuracy_per_byte_front():
         "--adam-freeze-step", "374"]
     assert ablation.config_options("spardl@0.01+adamfreeze25", 1000)[-2:] == [
         "--adam-freeze-step", "250"]
+    assert ablation.config_options("spardl@0.01+update", 1000)[-2:] == ["--exchange", "update"]
     assert ablation.config_options("diloco20", 3744) == [
         "--compression", "--compressor", "diloco", "--density-warmup", "0",
         "--diloco-period", "20"]
