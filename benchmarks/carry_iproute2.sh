@@ -2,7 +2,7 @@
 # Packs this machine's iproute2 (ip, tc and the libraries they need beyond the C library) into
 # DEST (default .ipr in the checkout, which git ignores) for a machine that has the kernel's
 # namespaces, veth and tbf but no iproute2 and no package registry, such as the lent GPU
-# machines: carry DEST there and put it first on PATH, and benchmarks.netem emulates links.
+# machines: carry DEST there and put it first on PATH, and testbed.netem emulates links.
 # Each wrapper starts its binary through that machine's own loader with DEST/lib as the library
 # path, so the programs `ip netns exec` starts do not inherit these libraries.
 set -euo pipefail

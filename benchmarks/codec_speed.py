@@ -32,8 +32,8 @@ from spardl_grace.payload import IdentityCodec
 
 
 def real_gradient(model_name: str, batch: int = 16, data_dir: Path | None = None) -> torch.Tensor:
-    from experiments.datasets import load_fashion_mnist
-    from experiments.models import build_model
+    from testbed.datasets import load_fashion_mnist
+    from testbed.models import build_model
     from spardl_grace.fusion import flatten_grads
     images, labels = load_fashion_mnist("train", data_dir)
     torch.manual_seed(0)

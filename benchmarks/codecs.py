@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.comm import machine, write_json
-from experiments.datasets import load_fashion_mnist
-from experiments.models.small import FashionCNN
+from testbed.datasets import load_fashion_mnist
+from testbed.models.small import FashionCNN
 from deepreduce_compat import deepreduce_from_params
 from spardl_grace.transport import run_local
 from spardl_grace.fusion import flatten_grads

@@ -25,13 +25,13 @@ Passes over the gradient: `other_s` is a step's time outside selection, communic
 coding (on its busiest rank), `copy_s` the time of one copy of the gradient that every rank
 takes at once just before each step, and `passes_vs_copy` the first in units of the second.
 --bandwidth runs the ranks in network namespaces whose links tc shapes to that rate
-(benchmarks.netem; root only); under --backend horovod, horovodrun starts on the first
+(testbed.netem; root only); under --backend horovod, horovodrun starts on the first
 namespace and reaches the others as on a cluster (benchmarks.twonode's ssh stand-in).
 
 What PyTorch users run instead runs in the same run (--gradient MODEL, gloo): torch_ddp,
 torch_fp16, torch_powersgd1 and torch_powersgd4 are DDP with torch's own all-reduce, fp16 and
 PowerSGD (rank 1, 4) hooks on the model's real layer shapes; their time is DDP's backward minus
-the same backward without DDP, their bytes what the hooks all-reduce (experiments.baselines).
+the same backward without DDP, their bytes what the hooks all-reduce (testbed.baselines).
 Under --backend horovod, horovod_allreduce and horovod_fp16 are Horovod's own averaging
 all-reduce of the gradient, plain and with Horovod's fp16 compression.
 """
@@ -52,7 +52,7 @@ from benchmarks import costmodel, twonode
 from benchmarks.comm_worker import HOROVOD, POWERSGD_START, TORCH_HOOKS
 from benchmarks.launch import launch_env, launcher_command
 from benchmarks.netns_ssh import on_node
-from benchmarks.netem import EmulatedNetwork, rank_env, rate_bits_per_s, run_all
+from testbed.netem import EmulatedNetwork, rank_env, rate_bits_per_s, run_all
 from spardl_grace.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from benchmarks.costmodel import KINDS, probe_chain, probe_op
-from benchmarks.netem import burst_bytes, rate_bits_per_s
+from testbed.netem import burst_bytes, rate_bits_per_s
 from deepreduce_compat import deepreduce_from_params
 from spardl_grace.transport import CountingTransport
 from spardl_grace.launch import join
@@ -26,7 +26,7 @@ from spardl_grace.transport import Transport
 from spardl_grace.transport.counting import Message
 
 STAT_TIMES = ("selection_s", "comm_s", "coding_s")
-# What PyTorch users run instead: DDP with torch's own hooks (experiments.baselines), by name.
+# What PyTorch users run instead: DDP with torch's own hooks (testbed.baselines), by name.
 TORCH_HOOKS = {"torch_ddp": ("torch_ddp", 1), "torch_fp16": ("torch_fp16", 1),
                "torch_powersgd1": ("torch_powersgd", 1), "torch_powersgd4": ("torch_powersgd", 4)}
 POWERSGD_START = 2  # the earliest step torch's PowerSGD hook compresses with error feedback
@@ -47,7 +47,7 @@ def algorithm_params(name: str, density: float, teams: int, codec: dict[str, Any
     library's default is compact, so both are named), and no floor on the
     entries sent, so that a sparse one sends `density` as the cost formulas say."""
     from benchmarks.costmodel import variant
-    from experiments.main_trainer import allreduce_params
+    from testbed.configs import allreduce_params
     algorithm, wire = variant(name)
     params = allreduce_params(algorithm, teams)
     if algorithm == "dense":
@@ -63,8 +63,8 @@ def gradients(cfg: dict[str, Any], rank: int, steps: int) -> list[torch.Tensor]:
     if cfg["gradient"] == "random":
         g = torch.Generator().manual_seed(1000 * rank + 1)
         return [torch.randn(cfg["numel"], generator=g).to(device) for _ in range(steps)]
-    from experiments.datasets import load_fashion_mnist
-    from experiments.models import build_model
+    from testbed.datasets import load_fashion_mnist
+    from testbed.models import build_model
     from spardl_grace.fusion import flatten_grads
     images, labels = load_fashion_mnist("train")
     torch.manual_seed(0)
@@ -212,7 +212,7 @@ def replay(transport: Transport, messages: list[Message]) -> None:
 
 def replay_idle_s(bandwidth: str | None) -> float:
     """Idle seconds before each replay and probe on an emulated link: twice the time its rate
-    takes to refill its shaper's bucket (benchmarks.netem.burst_bytes), so that each starts as
+    takes to refill its shaper's bucket (testbed.netem.burst_bytes), so that each starts as
     a training step does after its computation, and as the cost model assumes, with a full
     bucket; back to back, each would find the bucket its predecessor drained. 0 on an unshaped
     network."""
@@ -300,8 +300,8 @@ def time_torch_hook(name: str, cfg: dict[str, Any], grads: list[torch.Tensor],
     without DDP is timed beside it in every step, and the total is the difference: DDP's
     bucket copies and the hook's work and communication, not the autograd pass that made the
     gradient (which grc.step is spared too)."""
-    from experiments.baselines import TorchDDPSync
-    from experiments.models import build_model
+    from testbed.baselines import TorchDDPSync
+    from testbed.models import build_model
     device = grads[0].device
     shapes = [p.shape for p in build_model(cfg["gradient"], 1, 10).parameters()]
     baseline, rank = TORCH_HOOKS[name]

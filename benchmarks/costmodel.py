@@ -26,7 +26,7 @@ A measured network can carry its own alpha and beta per op kind (`Network.per_ki
 `fit_kind` to probes shaped like that op (`probe_op`; benchmarks.comm times them at the run's
 P): one pair for every kind cannot describe a tbf-shaped link, on which a ring all-reduce
 streams at about twice the rate of a pairwise exchange. A token-bucket shaped link (tc tbf, as
-benchmarks.netem emulates, and the egress shaping of many cloud VMs) also has a `burst`, its
+testbed.netem emulates, and the egress shaping of many cloud VMs) also has a `burst`, its
 bucket, one for each direction (the emulated links shape both): bytes in a bucket cross at line
 rate and cost nothing beyond alpha, the others pay beta. The buckets are full before a rank's
 first op; each op empties the sending one by the bytes it sends and the receiving one by those
@@ -261,7 +261,7 @@ Buckets = tuple[float, float]  # bytes in the shaper's sending and receiving buc
 
 def _op_cost(op: Op, rank: int, size: int, net: Network, tokens: Buckets) -> tuple[float, Buckets]:
     """(seconds, the buckets after it) of one op that starts with `tokens` in the shaper's
-    sending and receiving buckets. A rank's link is shaped both ways (benchmarks.netem), each
+    sending and receiving buckets. A rank's link is shaped both ways (testbed.netem), each
     way with its own bucket: the bytes it sends draw on one, those it receives on the other.
     The buckets refill while the op waits out its latency; then the bytes in them cross at line
     rate and the rest pay beta, the slower direction setting the time."""

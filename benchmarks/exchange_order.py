@@ -3,7 +3,7 @@
     python -m benchmarks.exchange_order --bandwidth 100mbit --json out.json
     python -m benchmarks.exchange_order --op alltoall --workers 4 --sizes 1000000
 
-Ranks, each in its own namespace behind a shaped link (benchmarks.netem), time one op per
+Ranks, each in its own namespace behind a shaped link (testbed.netem), time one op per
 size in both orders and report the median seconds beside the wire time of what one rank
 sends. gloo sends a message only once the receiver's ready-to-receive notice has arrived, and
 that notice travels in the same TCP stream as the data: a receive posted after a send to the
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from benchmarks.comm import machine
 from benchmarks.launch import ROOT, launch_env
-from benchmarks.netem import EmulatedNetwork, rate_bits_per_s, run_all
+from testbed.netem import EmulatedNetwork, rate_bits_per_s, run_all
 from spardl_grace.launch import free_port
 
 ORDERS = {"sendrecv": ("send_first", "receive_first"),

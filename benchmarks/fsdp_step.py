@@ -61,7 +61,7 @@ def _build(mode: str, density: float, dnn: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from experiments.models import build_model
+    from testbed.models import build_model
     from spardl_grace import fsdp
 
     torch.manual_seed(0)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {', '.join(MODES)}")
     p.add_argument("--rates", default="100mbit,1gbit", help="the link between the nodes, tc's units")
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--dnn", default="vgg16", help="a model of experiments.models, 3 x 32 x 32 input")
+    p.add_argument("--dnn", default="vgg16", help="a model of testbed.models, 3 x 32 x 32 input")
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)

@@ -5,7 +5,7 @@
 
 mpirun (its rsh launcher) and horovodrun reach other nodes by running `ssh HOST COMMAND`; put a
 file named `ssh` that runs this first on PATH (benchmarks.twonode does) and they reach the
-namespaces of benchmarks.netem instead. As ssh does, it joins the command words with spaces and
+namespaces of testbed.netem instead. As ssh does, it joins the command words with spaces and
 runs them with `sh -c` on the node (under the node's own hostname), in a fresh login-like
 environment: only PATH, HOME, the locale and (for root runs) Open MPI's run-as-root switches
 cross, so whatever else a remote rank needs must be forwarded by the launcher, as on a real

@@ -31,7 +31,7 @@ from typing import Any
 
 from benchmarks import costmodel
 from benchmarks.costmodel import Network
-from benchmarks.netem import burst_bytes, rate_bits_per_s
+from testbed.netem import burst_bytes, rate_bits_per_s
 from spardl_grace.transport.counting import Message
 
 

@@ -37,10 +37,10 @@ from benchmarks import twonode
 from benchmarks.comm import machine, write_json
 from benchmarks.comm_worker import synchronize
 from benchmarks.launch import launch_env, launcher_command
-from benchmarks.netem import EmulatedNetwork, available, rate_bits_per_s, run_all
+from testbed.netem import EmulatedNetwork, available, rate_bits_per_s, run_all
 from benchmarks.netns_ssh import on_node
-from experiments import compare
-from experiments.main_trainer import DEVICES, resolve_device
+from testbed import configs
+from testbed.configs import DEVICES, resolve_device
 from testbed.records import read_log
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--algorithms", default="ddp,fp16,powersgd1,powersgd4,dense,spardl",
-                   help=f"comma-separated of {', '.join(compare.ALGORITHMS)}, or the "
+                   help=f"comma-separated of {', '.join(configs.ALGORITHMS)}, or the "
                         "ablation's configs (experiments.ablation: 'spardl@0.003+compact', "
                         "'powersgd2', 'postlocal16'; warm-ups are left out: steady state)")
     p.add_argument("--bandwidths", default="100mbit,1gbit", help="comma-separated link rates")
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             algorithm_options(name)
         except ValueError as exc:
-            p.error(f"{exc}; valid: {', '.join(compare.ALGORITHMS)}, or an ablation config")
+            p.error(f"{exc}; valid: {', '.join(configs.ALGORITHMS)}, or an ablation config")
     ddp = [a for a in args.algorithms if a in DDP_ONLY or _ablation_baseline(a)]
     if args.launcher == "horovodrun" and ddp:
         p.error(f"--launcher horovodrun cannot run {', '.join(ddp)}: DDP's own, which needs "
@@ -109,18 +109,17 @@ def _trainer(args: argparse.Namespace, out: Path, workers: int, options: list[st
 
 def _ablation_baseline(name: str) -> bool:
     """Whether `name` is one of PyTorch's own answers in the ablation's naming (DDP's)."""
-    from experiments.ablation import TORCH_BASELINES
-    return name not in compare.ALGORITHMS and name.split("+")[0].startswith(tuple(TORCH_BASELINES))
+    return name not in configs.ALGORITHMS and name.split("+")[0].startswith(tuple(configs.TORCH_BASELINES))
 
 
 def algorithm_options(name: str) -> list[str]:
-    """The training CLI's options for `name`: one of compare.ALGORITHMS without its warm-up,
-    or an ablation config (experiments.ablation.config_options) with its density warm-up left
+    """The training CLI's options for `name`: one of configs.ALGORITHMS without its warm-up,
+    or an ablation config (testbed.configs.config_options) with its density warm-up left
     out and PyTorch's baselines compressing from step 2 (post-local SGD averaging from its
     first period): the steady state. ValueError naming the problem otherwise."""
-    if name in compare.ALGORITHMS:
-        return compare.algorithm_options(name, warmup=False)
-    from experiments.ablation import config_options
+    if name in configs.ALGORITHMS:
+        return configs.algorithm_options(name, warmup=False)
+    from testbed.configs import config_options
     head, *techniques = name.split("+")
     steady = "+".join([head, *(t for t in techniques if not t.startswith("warmup"))])
     if "@" not in head and not _ablation_baseline(head) and head != "dense":
@@ -230,7 +229,7 @@ def copy_seconds(numel: int, workers: int, repeat: int = 10, device: str = "cpu"
 
 
 def gradient_numel(dnn: str) -> int:
-    from experiments.models import build_model
+    from testbed.models import build_model
     return sum(p.numel() for p in build_model(dnn, 1, 10).parameters())
 
 
@@ -284,7 +283,7 @@ def table(result: dict[str, Any]) -> str:
             vs = f"{r['step_s'] / ddp:.2f}" if ddp else "-"
             bound = f"{r['bound_s']:.3f}" if "bound_s" in r else "-"
             vs_bound = f"{r['vs_bound']:.2f}" if "vs_bound" in r else "-"
-            lines.append(f"{compare.LABELS.get(name, name):<26}{r['step_s']:>9.3f}"
+            lines.append(f"{configs.LABELS.get(name, name):<26}{r['step_s']:>9.3f}"
                          f"{r['bytes_per_step'] / 1e6:>9.3f}{wire:>8}{vs:>8}{bound:>9}"
                          f"{vs_bound:>9}")
     return "\n".join(lines)

@@ -4,7 +4,7 @@
     python -m benchmarks.twonode --launcher mpirun examples/mpirun_optimizer.py
     python -m benchmarks.twonode --launcher horovodrun examples/horovod_optimizer.py
 
-Each node is a network namespace of benchmarks.netem with one interface, eth0 (the same name
+Each node is a network namespace of testbed.netem with one interface, eth0 (the same name
 on both, as on a cluster), on a shared bridge. The commands are the docs' two-node recipe
 (docs/guide/multi-node.md), run as a user types them:
 - torchrun: one `torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint NODE0:PORT` per
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .launch import BIN, ROOT, launch_env
-from .netem import EmulatedNetwork, available
+from testbed.netem import EmulatedNetwork, available
 from .netns_ssh import on_node
 
 LAUNCHERS = ("torchrun", "mpirun", "horovodrun", "horovodrun-mpi")

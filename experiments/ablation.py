@@ -26,118 +26,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from spardl_grace.api import DEFAULT_MIN_ENTRIES
+from testbed.configs import TECHNIQUES, config_options
 from testbed.records import Run, pack, read_log, runs_under
 
 ROOT = Path(__file__).resolve().parent.parent
-TECHNIQUES = {
-    "warmup": ["--density-warmup", "0.25", "--density-warmup-start", "0.25"],  # DGC's
-    "warmup1": ["--density-warmup", "1", "--density-warmup-start", "0.25"],
-    "warmup16": ["--density-warmup", "0.25", "--density-warmup-start", "0.0625"],
-    "warmup2ep": ["--density-warmup", "2", "--density-warmup-start", "0.25"],  # DGC's stages, longer
-    # PowerSGD's dense start (its first 10% of steps, 0.8 epoch of the 8-epoch recipe) as a
-    # warm-up: dense, then 1/4, ... in equal stages over 0.8 epoch, then the target
-    "warmupdense": ["--density-warmup", "0.8", "--density-warmup-start", "1"],
-    "lrwarmup": ["--warmup-epochs", "0.25"],
-    "mc": ["--momentum-correction", "0.9"],
-    "clip": ["--local-clip-norm", "5"],
-    "compact": ["--wire", "compact"],
-    "exact": ["--wire", "exact"],
-    "floor": ["--min-entries", str(DEFAULT_MIN_ENTRIES)],  # the library's default floor
-    # per-layer selection: a cap below any tensor's size puts every parameter in its own bucket,
-    # so each selects its own top entries (and the floor, with "floor", holds per tensor)
-    "layer": ["--bucket-cap-mb", "1e-9"],
-    "hybrid": ["--fsdp", "hybrid"],  # FSDP2 inside 2 "nodes", the sparse all-reduce between
-    "flat": ["--fsdp", "flat"],  # FSDP2 over every rank, SparDL's reduce-scatter
-    "update": ["--exchange", "update"],  # each rank's optimizer step synchronised, not the gradient
-}
-LR_TECHNIQUES = ("lrwarmup",)  # they change the optimiser, not the synchronisation
 DEFAULT_CONFIGS = "dense,spardl,spardl+warmup,spardl+mc,spardl+clip,spardl+warmup+mc,spardl+warmup+mc+clip"
-# PyTorch's own answers, as they ship: config name prefix -> (trainer --compressor, the option
-# its number sets). Their compression starts at START_FRACTION of the run's steps, as torch's
-# PowerSGD docs advise ("start with 10% of total training steps"; post-local SGD's start is
-# then moved up to a period later, so that its last step averages the models).
-TORCH_BASELINES = {"fp16": ("torch_fp16", None),
-                   "powersgd": ("torch_powersgd", "--powersgd-rank"),
-                   "postlocal": ("torch_postlocal", "--postlocal-period"),
-                   "diloco": ("diloco", "--diloco-period")}  # not torch's, but as plain
-START_FRACTION = 0.1
-
-
-def config_options(config: str, total_steps: int = 0) -> list[str]:
-    """The CLI options of a config ALGORITHM[@DENSITY][+TECHNIQUE...]: 'dense' (with learning-
-    rate techniques only); 'fp16', 'powersgdR' (PowerSGD's hook at rank R), 'postlocalH' (post-
-    local SGD averaging every H steps), which start compressing at START_FRACTION of
-    `total_steps`; or a sparse all-reduce ('spardl@0.003+warmup2ep+compact')."""
-    head, *techniques = config.split("+")
-    algorithm, _, density = head.partition("@")
-    options = ["--density", density] if density else []
-    if density:
-        try:
-            ok = 0 < float(density) <= 1
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"density {density!r} must be a number in (0, 1]")
-    if algorithm == "dense":
-        if set(techniques) - set(LR_TECHNIQUES) or density:
-            raise ValueError(f"dense takes only the learning-rate techniques: {', '.join(LR_TECHNIQUES)}")
-        return [option for t in techniques for option in TECHNIQUES[t]]
-    baseline = _torch_baseline(algorithm, total_steps)
-    if baseline is not None:
-        if set(techniques) - set(LR_TECHNIQUES) or density:
-            raise ValueError(f"{algorithm} is PyTorch's own; it takes only the learning-rate "
-                             f"techniques: {', '.join(LR_TECHNIQUES)}")
-        return baseline + [option for t in techniques for option in TECHNIQUES[t]]
-    options += ["--compression", "--compressor", algorithm]
-    if not any(t.startswith("warmup") for t in techniques):
-        options += ["--density-warmup", "0"]  # the training CLI warms up by default
-    if "floor" not in techniques:
-        options += ["--min-entries", "0"]  # so that a config's density is the density sent
-    for t in techniques:
-        if t.startswith("adamfreeze"):
-            options += ["--adam-freeze-step", str(_freeze_step(t, total_steps))]
-            continue
-        if t not in TECHNIQUES:
-            raise ValueError(f"unknown technique {t!r}; valid: {', '.join(TECHNIQUES)}, "
-                             "adamfreeze, adamfreezePCT")
-        options += TECHNIQUES[t]
-    return options
-
-
-def _freeze_step(technique: str, total_steps: int) -> int:
-    """The step at which 'adamfreeze' (at START_FRACTION of the steps, when PowerSGD's hook
-    starts compressing) or 'adamfreezePCT' (at PCT percent of them) freezes AdamW's variance."""
-    percent = technique[len("adamfreeze"):]
-    if percent and not (percent.isdigit() and 0 < int(percent) < 100):
-        raise ValueError(f"{technique!r}: write adamfreeze or adamfreezePCT, 0 < PCT < 100")
-    fraction = int(percent) / 100 if percent else START_FRACTION
-    return max(1, round(fraction * total_steps))
-
-
-def _torch_baseline(algorithm: str, total_steps: int) -> list[str] | None:
-    """The options of one of TORCH_BASELINES ('powersgd4'), or None for another algorithm."""
-    for prefix, (compressor, option) in TORCH_BASELINES.items():
-        if not algorithm.startswith(prefix):
-            continue
-        number = algorithm[len(prefix):]
-        if (option is None) != (number == ""):
-            raise ValueError(f"{algorithm!r}: write {prefix}" + ("" if option is None else "N, N >= 1"))
-        if option is not None and not (number.isdigit() and int(number) >= 1):
-            raise ValueError(f"{algorithm!r}: {prefix} takes a whole number, e.g. {prefix}4")
-        start = str(max(2, round(START_FRACTION * total_steps)))
-        options = ["--compression", "--compressor", compressor, "--density-warmup", "0"]
-        if option is not None:
-            options += [option, number]
-        if compressor == "torch_powersgd":
-            options += ["--powersgd-start-iter", start]
-        if compressor == "torch_postlocal":
-            # Later by under one period, so that the last step averages: the model scored at
-            # the end is then the average, as a user would save it.
-            aligned = int(start) + (total_steps - 1 - int(start)) % int(number)
-            options += ["--postlocal-start-iter", str(aligned)]
-        return options
-    return None
 
 
 def total_steps(args: argparse.Namespace) -> int:

@@ -19,6 +19,11 @@ Variants:
                   average of what they send is applied, weight decay beside it on every
                   worker alike: the update, not the gradient, is compressed, so what error
                   feedback delays arrives as the movement Adam asked for
+  update_frozen   dense AdamW for --dense-steps (so every worker holds the same second
+                  moment), then as update with that variance frozen: each worker's step is
+                  lr m_w / sqrt(v), linear in its own momentum, so at density 1 the average is
+                  exactly AdamW's frozen step on the average gradient (1-bit Adam's update),
+                  and the top-k selects by the size of the step it would take
 
 It also records, per variant, how far each parameter entry moved over the run against dense
 AdamW's movement (the ratio of the L2 norms of the total displacement, and of the sum of each
@@ -37,10 +42,10 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from experiments.models import DecoderLM
-from experiments.text import CHAR_VOCAB, load_wikipedia_chars
+from testbed.models import DecoderLM
+from testbed.text import CHAR_VOCAB, load_wikipedia_chars
 
-VARIANTS = ("dense", "topk", "frozen", "preconditioned", "update")
+VARIANTS = ("dense", "topk", "frozen", "preconditioned", "update", "update_frozen")
 BETAS, EPS = (0.9, 0.95), 1e-8
 
 
@@ -99,7 +104,7 @@ class Probe:
         self.m, self.v = torch.zeros(n), torch.zeros(n)
         # 'update': each worker's own moments
         self.local = [(torch.zeros(n), torch.zeros(n)) for _ in range(args.workers)] \
-            if variant == "update" else []
+            if variant.startswith("update") else []
         self.v_frozen: torch.Tensor | None = None
         self.residuals = [torch.zeros(n) for _ in range(args.workers)]
         self.k = max(1, round(args.density * n))
@@ -123,7 +128,12 @@ class Probe:
         args = self.args
         lr = lr_at(step, args)
         dense_phase = self.variant == "dense" or (
-            self.variant in ("frozen", "preconditioned") and step < args.dense_steps)
+            self.variant in ("frozen", "preconditioned", "update_frozen")
+            and step < args.dense_steps)
+        if self.variant == "update_frozen" and not dense_phase:
+            self._apply(self._frozen_update_average(step, grads, lr)
+                        + lr * args.weight_decay * self.decay * self.flat())
+            return
         if self.variant == "update":
             self._apply(self._update_average(step, grads, lr)
                         + lr * args.weight_decay * self.decay * self.flat())
@@ -142,8 +152,11 @@ class Probe:
                 update = self._adam(g, step)
             else:
                 update = self._momentum(g, step) / self.v_frozen.sqrt().add_(EPS)
-        if self.variant in ("frozen", "preconditioned") and step == args.dense_steps - 1:
+        if self.variant in ("frozen", "preconditioned", "update_frozen") \
+                and step == args.dense_steps - 1:
             self.v_frozen = self.v / (1 - BETAS[1] ** (step + 1))
+            for m, _ in self.local:  # the dense phase's momentum is every worker's
+                m.copy_(self.m)
         self._apply(lr * (update + args.weight_decay * self.decay * self.flat()))
 
     def _update_average(self, step: int, grads: list[torch.Tensor], lr: float) -> torch.Tensor:
@@ -156,6 +169,19 @@ class Probe:
             m.lerp_(g, 1 - BETAS[0])
             v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
             steps.append(lr * (m / (1 - BETAS[0] ** t)) / ((v / (1 - BETAS[1] ** t)).sqrt() + EPS))
+        return topk_average(steps, self.residuals, self.k)
+
+    def _frozen_update_average(self, step: int, grads: list[torch.Tensor], lr: float
+                               ) -> torch.Tensor:
+        """'update_frozen' after the dense phase: the average of the workers' top-k of
+        (residual + lr m_w / sqrt(v_frozen)), m_w each worker's momentum of its own gradient."""
+        steps, scale = [], self.v_frozen.sqrt().add_(EPS)
+        for g, (m, _) in zip(grads, self.local):
+            norm = g.norm()
+            if norm > self.args.clip_norm:
+                g = g * (self.args.clip_norm / norm)
+            m.lerp_(g, 1 - BETAS[0])
+            steps.append(lr * (m / (1 - BETAS[0] ** (step + 1))) / scale)
         return topk_average(steps, self.residuals, self.k)
 
     def _apply(self, update: torch.Tensor) -> None:

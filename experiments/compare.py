@@ -33,77 +33,12 @@ from typing import Any
 
 import torch
 
+from testbed.configs import ALGORITHMS, LABELS, algorithm_options
 from testbed.records import Run, pack, read_log
 
 ROOT = Path(__file__).resolve().parent.parent
-# The sparse all-reduces run with the training CLI's default DGC density warm-up (chosen by the
-# recorded ablation); a per-step benchmark of their steady state turns it off.
-STEADY = ["--density-warmup", "0"]
-ALGORITHMS: dict[str, list[str]] = {
-    "ddp": ["--compression", "--compressor", "torch_ddp"],
-    "fp16": ["--compression", "--compressor", "torch_fp16"],
-    "powersgd1": ["--compression", "--compressor", "torch_powersgd", "--powersgd-rank", "1"],
-    "powersgd4": ["--compression", "--compressor", "torch_powersgd", "--powersgd-rank", "4"],
-    "dense": [],  # this library's dense DistributedOptimizer
-    **{name: ["--compression", "--compressor", name]
-       for name in ("spardl", "topka", "topkdsa", "gtopk", "oktopk")},
-    "spardl_d2": ["--compression", "--compressor", "spardl", "--teams", "2"],
-    "spardl_nowarmup": ["--compression", "--compressor", "spardl", *STEADY],
-    # DGC's own warm-up (from density 0.25), which the training CLI's default (from 0.0625) replaced
-    "spardl_dgcwarmup": ["--compression", "--compressor", "spardl", "--density-warmup-start", "0.25"],
-    "spardl_002": ["--compression", "--compressor", "spardl", "--density", "0.02"],  # overrides --density
-    "spardl_0005": ["--compression", "--compressor", "spardl", "--density", "0.005"],
-    # fp16 values (DeepReduce's value codec): 0.75 of the bytes; senders keep the rounding error
-    "spardl_fp16": ["--compression", "--compressor", "spardl", "--deepreduce", "value",
-                    "--value", "fp16"],
-    # and lossless delta-coded indices on top: about half of SparDL's bytes
-    "spardl_delta_fp16": ["--compression", "--compressor", "spardl", "--deepreduce", "both",
-                          "--index", "delta", "--value", "fp16"],
-    # the compact wire (22-bit indices and bfloat16 values on VGG-16, 4 ranks) and the exact one
-    "spardl_compact": ["--compression", "--compressor", "spardl", "--wire", "compact"],
-    "spardl_exact": ["--compression", "--compressor", "spardl", "--wire", "exact"],
-    "topka_compact": ["--compression", "--compressor", "topka", "--wire", "compact"],
-    "spardl_0005_compact": ["--compression", "--compressor", "spardl", "--density", "0.005",
-                            "--wire", "compact"],
-    # DDP's own 25 MB buckets, each communicated while backward goes on: what DDP users run
-    "ddp_25mb": ["--compression", "--compressor", "torch_ddp", "--bucket-cap-mb", "25"],
-    "dense_25mb": ["--bucket-cap-mb", "25"],
-    "dense_hook_25mb": ["--ddp-hook", "--bucket-cap-mb", "25"],
-    "dense_25mb_no_overlap": ["--bucket-cap-mb", "25", "--no-overlap"],
-    "dense_hook_25mb_no_overlap": ["--ddp-hook", "--bucket-cap-mb", "25", "--no-overlap"],
-    "spardl_hook": ["--compression", "--compressor", "spardl", "--ddp-hook"],
-    # SparDL per 25 or 10 MB bucket, each synchronised while backward goes on, and without that
-    "spardl_25mb": ["--compression", "--compressor", "spardl", "--bucket-cap-mb", "25"],
-    "spardl_10mb": ["--compression", "--compressor", "spardl", "--bucket-cap-mb", "10"],
-    "spardl_25mb_no_overlap": ["--compression", "--compressor", "spardl", "--bucket-cap-mb", "25",
-                               "--no-overlap"],
-}
-SPARSE_ALGORITHMS = ("spardl", "spardl_hook", "spardl_d2", "spardl_25mb", "spardl_10mb",
-                     "spardl_25mb_no_overlap", "spardl_dgcwarmup", "spardl_002",
-                     "spardl_0005", "spardl_fp16", "spardl_delta_fp16", "spardl_compact",
-                     "spardl_exact", "topka_compact", "spardl_0005_compact", "topka", "topkdsa",
-                     "gtopk", "oktopk")
-LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD hook rank 1",
-          "powersgd4": "PowerSGD hook rank 4", "dense": "dense (this library)",
-          "spardl": "SparDL", "spardl_d2": "SparDL d=2", "spardl_nowarmup": "SparDL, no warm-up",
-          "spardl_dgcwarmup": "SparDL, DGC's warm-up", "spardl_002": "SparDL at density 0.02",
-          "spardl_0005": "SparDL at density 0.005", "spardl_fp16": "SparDL, fp16 values",
-          "spardl_delta_fp16": "SparDL, delta indices and fp16 values",
-          "spardl_compact": "SparDL, compact wire", "spardl_exact": "SparDL, exact wire",
-          "topka_compact": "TopkA, compact wire",
-          "spardl_0005_compact": "SparDL at density 0.005, compact wire",
-          "ddp_25mb": "PyTorch DDP, 25 MB buckets", "dense_25mb": "dense, 25 MB buckets",
-          "dense_hook_25mb": "dense via this library's DDP hook, 25 MB buckets",
-          "dense_25mb_no_overlap": "dense, 25 MB buckets, no overlap",
-          "dense_hook_25mb_no_overlap": "dense via the DDP hook, 25 MB buckets, no overlap",
-          "spardl_hook": "SparDL via this library's DDP hook",
-          "topka": "TopkA", "topkdsa": "TopkDSA", "gtopk": "gTop-k", "oktopk": "Ok-Topk",
-          "spardl_25mb": "SparDL, 25 MB buckets", "spardl_10mb": "SparDL, 10 MB buckets",
-          "spardl_25mb_no_overlap": "SparDL, 25 MB buckets, no overlap"}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from experiments.datasets import DATASETS
+    from testbed.datasets import DATASETS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algorithms", default="ddp,fp16,powersgd4,spardl",
                    help=f"comma-separated of {', '.join(ALGORITHMS)}")
@@ -149,21 +84,13 @@ def network(args: argparse.Namespace) -> tuple[str | None, str]:
     """(rate to emulate or None, a line saying which network the runs use)."""
     if args.bandwidth is None:
         return None, "network: loopback (--bandwidth none)"
-    from benchmarks.netem import available, rate_bits_per_s
+    from testbed.netem import available, rate_bits_per_s
     rate_bits_per_s(args.bandwidth)
     why = available()
     if why:
         return None, (f"network: loopback. Cannot emulate {args.bandwidth} here ({why}); the "
                       "times below are those of an unshaped local network")
     return args.bandwidth, f"network: emulated, every worker's link shaped to {args.bandwidth}"
-
-
-def algorithm_options(name: str, warmup: bool = True) -> list[str]:
-    """The training CLI's options for `name`; the sparse all-reduces with the recipe's density
-    warm-up unless `warmup` is False (a per-step benchmark wants the steady state)."""
-    if name not in SPARSE_ALGORITHMS:
-        return list(ALGORITHMS[name])
-    return [*ALGORITHMS[name], *([] if warmup else STEADY)]
 
 
 def trainer_command(args: argparse.Namespace, name: str, out: Path, rate: str | None,

@@ -35,7 +35,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.netem import rate_bits_per_s
+from testbed.netem import rate_bits_per_s
 from testbed.records import read_log, runs_under
 from testbed.stats import welch
 

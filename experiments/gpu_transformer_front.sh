@@ -5,7 +5,7 @@
 # (default 480) it stops and packs the finished runs (CONFIG-seedS.tar.xz, each run's logs) and
 # the logs of the runs it cut off into DEST/front.tar; checkpoints stay behind.
 #   bash experiments/gpu_transformer_front.sh DEST [SECONDS_LEFT]
-# Needs the Wikipedia text's cache (enwiki-sample.txt, made by experiments.text on a machine
+# Needs the Wikipedia text's cache (enwiki-sample.txt, made by testbed.text on a machine
 # with gensim) in DATA (default .data, a folder carried to the GPU machine).
 set -uo pipefail
 DEST=$1

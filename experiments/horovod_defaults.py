@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from experiments.datasets import load_fashion_mnist
-from experiments.main_trainer import evaluate
-from experiments.models import build_model
+from experiments.evaluation import evaluate
 from spardl_grace.transport.counting import ring_allreduce_bytes
+from testbed.datasets import load_fashion_mnist
+from testbed.models import build_model
 
 WEIGHT_DECAY = 1e-4
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+
 import torch
 
 OPTIMIZERS = ("sgd", "adamw")

@@ -1,5 +1,5 @@
 """The training CLI's sharded mode (--fsdp): FSDP2 with this library's synchronisation, behind
-the trainer's sync interface (as main_trainer.GraceSync and baselines.TorchDDPSync).
+the trainer's sync interface (as experiments.syncs.GraceSync and testbed.baselines.TorchDDPSync).
 
 hybrid: parameters sharded over each "node" of --nworkers / --fsdp-nodes ranks, each unit's
 gradient shard averaged across the nodes by the sparse all-reduce (spardl_grace.fsdp.hybrid_shard
@@ -65,7 +65,7 @@ class ShardedSync:
 
     def residual_norm(self) -> float:
         """L2 norm of this rank's residuals (its shards')."""
-        from experiments.main_trainer import residual_norm
+        from experiments.evaluation import residual_norm
         return residual_norm(self.grace)
 
     def evaluation_model(self, rank: int) -> torch.nn.Module | None:

@@ -33,7 +33,7 @@ def require(backend: str) -> None:
 
 def require_netns() -> None:
     """Skip where network namespaces cannot be made (not root, no iproute2)."""
-    from benchmarks import netem
+    from testbed import netem
     why = netem.available()
     if why:
         pytest.skip(f"network namespaces are not available: {why}")

@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks import comm, costmodel, kernels, netem, plots, simulate, tables
+from benchmarks import comm, costmodel, kernels, plots, simulate, tables
 from benchmarks.costmodel import Network, Op
+from testbed import netem
 from conftest import require_netns
 from experiments import report
 from spardl_grace import grace_from_params
@@ -645,7 +646,7 @@ def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
     compute-only time, bytes and their time on the link. No speed is asserted (small
     messages even beat the shaped rate: tbf's 64 KB burst refills between steps)."""
     from benchmarks import train_step
-    from experiments.models import build_model
+    from testbed.models import build_model
     result = train_step.main(["--dnn", "fashioncnn", "--batch-size", "8", "--workers", "2",
                               "--algorithms", "ddp,powersgd4,spardl", "--bandwidths", "20mbit",
                               "--steps", "5", "--skip", "2", "--json", str(tmp_path / "r.json")])
@@ -684,7 +685,7 @@ def test_training_step_benchmark_takes_the_fronts_configs(tmp_path):
     out, PowerSGD from step 2, post-local SGD's step the mean over its periods after its start;
     bad names are refused naming the valid ones."""
     from benchmarks import train_step
-    from experiments.models import build_model
+    from testbed.models import build_model
     options = train_step.algorithm_options("spardl@0.003+warmup2ep+compact")
     assert options[options.index("--density") + 1] == "0.003"
     assert options[options.index("--wire") + 1] == "compact"

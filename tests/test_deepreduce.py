@@ -20,8 +20,8 @@ from deepreduce_compat.index_codecs import (BloomIndex, DeltaIndex, HuffmanIndex
 from deepreduce_compat.value_codecs import (DeflateValues, DoubleExpValues, FP16Values,
                                             PolyFitValues, QSGDValues, RawValues,
                                             segment_lengths)
-from experiments.datasets import load_fashion_mnist
-from experiments.models.small import FashionCNN
+from testbed.datasets import load_fashion_mnist
+from testbed.models.small import FashionCNN
 from sparse_checks import check_consistent_and_conserving, run_steps
 from spardl_grace import grace_from_params
 from spardl_grace.transport import run_local

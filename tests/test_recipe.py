@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from experiments import main_trainer, recipe
-from experiments.models import build_model
+from experiments import cli, main_trainer, recipe
+from testbed.models import build_model
 
 
 def _args(*extra: str):
-    return main_trainer.parse_args(["--dnn", "transformer", "--dataset", "wikipedia-chars",
+    return cli.parse_args(["--dnn", "transformer", "--dataset", "wikipedia-chars",
                                     "--max-epochs", "2", *extra])
 
 
@@ -88,7 +88,7 @@ def test_clipping_bounds_the_global_norm():
 
 def test_adam_freeze_step_reaches_the_library_and_is_refused_where_it_cannot_act(capsys):
     args = _args("--optimizer", "adamw", "--compression", "--adam-freeze-step", "50")
-    assert main_trainer.grace_params(args)["adam_freeze_step"] == 50
+    assert cli.grace_params(args)["adam_freeze_step"] == 50
     for extra in (["--compression", "--adam-freeze-step", "50"],  # sgd
                   ["--optimizer", "adamw", "--compression", "--fsdp", "hybrid", "--nworkers", "4",
                    "--adam-freeze-step", "5"],
@@ -101,8 +101,8 @@ def test_adam_freeze_step_reaches_the_library_and_is_refused_where_it_cannot_act
 
 def test_exchange_update_reaches_the_library_and_is_refused_where_it_cannot_act(capsys):
     args = _args("--optimizer", "adamw", "--compression", "--exchange", "update")
-    assert main_trainer.grace_params(args)["exchange"] == "update"
-    assert "exchange" not in main_trainer.grace_params(_args("--compression"))
+    assert cli.grace_params(args)["exchange"] == "update"
+    assert "exchange" not in cli.grace_params(_args("--compression"))
     for extra in (["--exchange", "update"],  # no compression: DDP's own all-reduce
                   ["--compression", "--ddp-hook", "--exchange", "update"],
                   ["--compression", "--fsdp", "hybrid", "--nworkers", "4", "--exchange", "update"],

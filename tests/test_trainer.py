@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from conftest import ROOT, _env, require_netns
-from experiments import main_trainer
-from experiments import text
-from experiments.datasets import DATASET_TASKS, DATASETS, load_dataset
-from experiments.models import MODEL_TASKS, MODELS, build_model
+from experiments import cli, main_trainer, syncs
+from testbed import text
+from testbed.datasets import DATASET_TASKS, DATASETS, load_dataset
+from testbed.models import MODEL_TASKS, MODELS, build_model
 from spardl_grace import launch
 from spardl_grace.transport import run_local
 from spardl_grace.warmup import warmup_density
@@ -77,7 +77,7 @@ def test_every_model_has_data_sets_and_mismatches_are_refused(tmp_path, capsys):
     for task in set(MODEL_TASKS.values()):
         assert task in DATASET_TASKS.values()
     with pytest.raises(SystemExit):
-        main_trainer.parse_args(["--dnn", "lstm", "--dataset", "fashion-mnist"])
+        cli.parse_args(["--dnn", "lstm", "--dataset", "fashion-mnist"])
     assert "--dnn lstm reads lm data; data sets for it: wikipedia-chars, wikitext" in capsys.readouterr().err
 
 
@@ -85,14 +85,14 @@ def test_device_choice_and_its_transport(monkeypatch, capsys):
     """--device auto resolves to what is visible; cuda without a GPU is refused by name. The
     backend choice is checked with device_count mocked (no GPU here; tests/test_cuda.py runs
     the CLI on a real one)."""
-    auto = main_trainer.parse_args([]).device
+    auto = cli.parse_args([]).device
     assert auto == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
-            main_trainer.parse_args(["--device", "cuda"])
+            cli.parse_args(["--device", "cuda"])
         assert "--device cuda: no CUDA device is visible here; use --device cpu" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main_trainer.parse_args(["--device", "tpu"])
+        cli.parse_args(["--device", "tpu"])
     assert "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')" in capsys.readouterr().err
     assert launch.torch_backend("cpu", 4) == "gloo"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -224,13 +224,13 @@ def test_installed_data_sets_load():
 
 # ------------------------------------------------------------------------------- training
 def _args(tmp_path, *extra):
-    return main_trainer.parse_args([
+    return cli.parse_args([
         "--dnn", "fashioncnn", "--dataset", "digits", "--batch-size", "16", "--max-epochs", "1",
         "--max-steps", "3", "--lr", "0.05", "--density", "0.05", "--out", str(tmp_path), *extra])
 
 
-@pytest.mark.parametrize("compressor", [c for c in main_trainer.COMPRESSORS
-                                        if c not in main_trainer.BASELINES])
+@pytest.mark.parametrize("compressor", [c for c in cli.COMPRESSORS
+                                        if c not in cli.BASELINES])
 def test_every_compressor_trains_identical_replicas_on_two_workers(tmp_path, compressor):
     args = _args(tmp_path, "--compression", "--compressor", compressor)
     summaries = run_local(2, lambda t: main_trainer.train(args, t))
@@ -244,7 +244,7 @@ def test_every_compressor_trains_identical_replicas_on_two_workers(tmp_path, com
     ("lstmimdb", "tweets", []), ("lstm", "wikitext", []), ("bert", "tweets", []),
     ("transformer", "wikipedia-chars", ["--optimizer", "adamw", "--clip-norm", "1"])])
 def test_text_models_train_identical_replicas(tmp_path, dnn, dataset, recipe):
-    args = main_trainer.parse_args([
+    args = cli.parse_args([
         "--dnn", dnn, "--dataset", dataset, "--batch-size", "4", "--max-steps", "2",
         "--test-samples", "40", "--compression", "--compressor", "spardl", "--out", str(tmp_path),
         *recipe])
@@ -348,13 +348,13 @@ def test_config_file_gives_the_same_options_as_the_command_line(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("dnn: vgg16\ndataset: digits\nmax-epochs: 3\ncompression: true\n"
                       "compressor: gtopk\ndensity: 0.02\n")
-    from_file = main_trainer.parse_args(["--config", str(config), "--density", "0.05"])
-    from_cli = main_trainer.parse_args(["--dnn", "vgg16", "--dataset", "digits", "--max-epochs", "3",
+    from_file = cli.parse_args(["--config", str(config), "--density", "0.05"])
+    from_cli = cli.parse_args(["--dnn", "vgg16", "--dataset", "digits", "--max-epochs", "3",
                                         "--compression", "--compressor", "gtopk", "--density", "0.05"])
     assert vars(from_file) == {**vars(from_cli), "config": str(config)}
     (tmp_path / "bad.json").write_text(json.dumps({"dnn": "vgg16", "epochs": 3}))
     with pytest.raises(SystemExit, match="unknown option 'epochs'"):
-        main_trainer.parse_args(["--config", str(tmp_path / "bad.json")])
+        cli.parse_args(["--config", str(tmp_path / "bad.json")])
 
 
 @pytest.mark.parametrize("launch_with", ["self", "torchrun"])
@@ -384,13 +384,13 @@ def test_density_warmup_follows_dgcs_schedule_within_an_epoch(tmp_path):
                "--min-entries", "0"]
     args = _args(tmp_path / "warm", *options, "--density-warmup", "0.75",
                  "--density-warmup-start", "0.25")
-    assert main_trainer.library_warmup(args, 8) == {"density_warmup_steps": 6,
+    assert cli.library_warmup(args, 8) == {"density_warmup_steps": 6,
                                                      "density_warmup_start": 0.25}
     schedule = [warmup_density(s, 6, 0.25, 0.01) for s in range(8)]
     assert schedule == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01]
     across = _args(tmp_path, "--density", "0.01", "--compression", "--density-warmup", "3",
                    "--density-warmup-start", "0.25")
-    assert main_trainer.library_warmup(across, 10)["density_warmup_steps"] == 30
+    assert cli.library_warmup(across, 10)["density_warmup_steps"] == 30
     warm = run_local(2, lambda t: main_trainer.train(args, t))[0]
     records = [json.loads(line) for line in (tmp_path / "warm" / "log.jsonl").read_text().splitlines()]
     assert [r["density"] for r in records if r["kind"] == "step"] == schedule
@@ -403,8 +403,8 @@ def test_density_warmup_start_sets_the_first_stage(tmp_path, capsys):
     """The default warm-up, cheaper on slow links than DGC's: 0.0625 then 0.015625 over a
     quarter epoch each."""
     args = _args(tmp_path, "--compression", "--density", "0.01", "--density-warmup", "0.5")
-    assert args.density_warmup_start == main_trainer.DEFAULT_WARMUP_START == 0.0625
-    assert main_trainer.library_warmup(args, 8) == {"density_warmup_steps": 4,
+    assert args.density_warmup_start == cli.DEFAULT_WARMUP_START == 0.0625
+    assert cli.library_warmup(args, 8) == {"density_warmup_steps": 4,
                                                      "density_warmup_start": 0.0625}
     assert [warmup_density(s, 4, 0.0625, 0.01) for s in range(6)] == \
         [0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01]
@@ -424,7 +424,7 @@ def test_density_warmup_needs_a_compressor_with_a_density(tmp_path, extra, capsy
            "oktopk, spardl, topk, randomk, dgc" in err
 
 
-@pytest.mark.parametrize("baseline", main_trainer.BASELINES)
+@pytest.mark.parametrize("baseline", cli.BASELINES)
 def test_torchs_own_ddp_hooks_train_identical_replicas(tmp_path, baseline):
     """PyTorch's DDP, its fp16 hook, its PowerSGD hook and post-local SGD (as they ship) through
     the CLI on 2 real gloo workers; PowerSGD starts compressing after 2 steps and then sends
@@ -539,7 +539,7 @@ def test_grace_benchmarks_config_string_trains(tmp_path):
     config = ("{'compressor': 'topk', 'memory': 'residual', 'communicator': 'allgather', "
               "'compress_ratio': 0.05}")
     args = _args(tmp_path, "--grace_config", config)
-    assert main_trainer.grace_params(args) == {"compressor": "topk", "memory": "residual",
+    assert cli.grace_params(args) == {"compressor": "topk", "memory": "residual",
                                                "communicator": "allgather",
                                                "compress_ratio": 0.05, "seed": 0}
     assert (args.compression, args.compressor, args.density) == (True, "topk", 0.05)
@@ -548,7 +548,7 @@ def test_grace_benchmarks_config_string_trains(tmp_path):
     assert torch.equal(finals[0]["params"], finals[1]["params"])
     sparse = _args(tmp_path, "--grace-config", "{'communicator': 'spardl', 'compressor': 'topk', "
                    "'memory': 'global_residual'}")
-    assert sparse.compressor == "spardl" and sparse.density_warmup == main_trainer.DEFAULT_WARMUP_EPOCHS
+    assert sparse.compressor == "spardl" and sparse.density_warmup == cli.DEFAULT_WARMUP_EPOCHS
 
 
 @pytest.mark.parametrize("config,message", [
@@ -596,16 +596,16 @@ def test_baselines_refuse_what_they_cannot_do(tmp_path, capsys):
 
 def test_the_wire_option_reaches_the_library_and_is_checked_there(tmp_path, capsys):
     args = _args(tmp_path, "--compression", "--compressor", "spardl", "--wire", "compact")
-    assert main_trainer.grace_params(args)["wire"] == "compact"
-    assert "wire" not in main_trainer.grace_params(_args(tmp_path, "--compression"))
+    assert cli.grace_params(args)["wire"] == "compact"
+    assert "wire" not in cli.grace_params(_args(tmp_path, "--compression"))
     assert "'wire' is how the sparse all-reduces" in _refused(
         tmp_path, capsys, "--compression", "--compressor", "topk", "--wire", "compact")
 
 
 def test_the_floor_option_reaches_the_library_and_is_checked_there(tmp_path, capsys):
     args = _args(tmp_path, "--compression", "--compressor", "spardl", "--min-entries", "0")
-    assert main_trainer.grace_params(args)["min_entries"] == 0
-    assert "min_entries" not in main_trainer.grace_params(_args(tmp_path, "--compression"))
+    assert cli.grace_params(args)["min_entries"] == 0
+    assert "min_entries" not in cli.grace_params(_args(tmp_path, "--compression"))
     assert "set the density of the sparse all-reduces" in _refused(
         tmp_path, capsys, "--compression", "--compressor", "topk", "--min-entries", "100")
     assert "min_entries must be an int >= 0" in _refused(
@@ -636,7 +636,7 @@ def test_time_budget_target_and_evaluations(tmp_path):
 
 
 def test_bandwidth_needs_root_or_says_why(tmp_path):
-    from benchmarks import netem
+    from testbed import netem
     args = _args(tmp_path, "--bandwidth", "100mbit", "--nworkers", "2")
     if netem.available() is None:
         pytest.skip("namespaces can be made here: test_bandwidth_runs_workers_in_namespaces runs")
@@ -659,7 +659,7 @@ def test_bandwidth_runs_workers_in_namespaces(tmp_path):
     summary = finals[0]["summary"]
     assert summary["wire_bytes_per_step_run"] > summary["bytes_sent_per_step_run"] > 0
     with pytest.raises(SystemExit):
-        main_trainer.parse_args(["--bandwidth", "fast"])
+        cli.parse_args(["--bandwidth", "fast"])
 
 
 def wandb_history_keys(run_file) -> set[str]:
@@ -715,56 +715,56 @@ def test_sparse_allreduces_warm_their_density_up_by_default(tmp_path):
 
 
 def test_ablation_configs_name_the_training_cli_options():
-    from experiments import ablation
-    assert ablation.config_options("dense") == []
-    assert ablation.config_options("dense+lrwarmup") == ["--warmup-epochs", "0.25"]
-    assert ablation.config_options("spardl+warmup")[-2:] == ["--density-warmup-start", "0.25"]
-    assert ablation.config_options("spardl+warmup16") == [
+    from testbed import configs
+    assert configs.config_options("dense") == []
+    assert configs.config_options("dense+lrwarmup") == ["--warmup-epochs", "0.25"]
+    assert configs.config_options("spardl+warmup")[-2:] == ["--density-warmup-start", "0.25"]
+    assert configs.config_options("spardl+warmup16") == [
         "--compression", "--compressor", "spardl", "--min-entries", "0", "--density-warmup",
         "0.25", "--density-warmup-start", "0.0625"]
-    assert ablation.config_options("spardl") == [
+    assert configs.config_options("spardl") == [
         "--compression", "--compressor", "spardl", "--density-warmup", "0", "--min-entries", "0"]
-    assert ablation.config_options("spardl@0.001+floor")[-2:] == ["--min-entries", "2048"]
-    assert "--min-entries" not in ablation.config_options("dense")
+    assert configs.config_options("spardl@0.001+floor")[-2:] == ["--min-entries", "2048"]
+    assert "--min-entries" not in configs.config_options("dense")
     with pytest.raises(ValueError, match="only the learning-rate techniques: lrwarmup"):
-        ablation.config_options("dense+warmup")
+        configs.config_options("dense+warmup")
     with pytest.raises(ValueError, match="unknown technique 'nope'"):
-        ablation.config_options("spardl+nope")
+        configs.config_options("spardl+nope")
 
 
 def test_ablation_configs_for_the_accuracy_per_byte_front():
     """Densities per config, the wire, and PyTorch's own answers starting at 10% of the run's
     steps (post-local SGD up to a period later, so that its last step averages)."""
-    from experiments import ablation
-    assert ablation.config_options("spardl@0.003+warmup2ep+compact") == [
+    from testbed import configs
+    assert configs.config_options("spardl@0.003+warmup2ep+compact") == [
         "--density", "0.003", "--compression", "--compressor", "spardl", "--min-entries", "0",
         "--density-warmup", "2", "--density-warmup-start", "0.25", "--wire", "compact"]
-    assert ablation.config_options("topka@0.003+exact")[-2:] == ["--wire", "exact"]
+    assert configs.config_options("topka@0.003+exact")[-2:] == ["--wire", "exact"]
     # The fixes tried on the front: PowerSGD's dense start as a warm-up, and per-layer selection
-    assert ablation.config_options("spardl@0.1+warmupdense")[-4:] == [
+    assert configs.config_options("spardl@0.1+warmupdense")[-4:] == [
         "--density-warmup", "0.8", "--density-warmup-start", "1"]
     from spardl_grace.optimizer import plan_buckets
-    layer = ablation.config_options("spardl@0.1+layer+floor")
+    layer = configs.config_options("spardl@0.1+layer+floor")
     cap = float(layer[layer.index("--bucket-cap-mb") + 1])
     named = list(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Conv2d(2, 2, 1)).named_parameters())
     assert [[n for n, _ in b] for b in plan_buckets(named, cap)] == [[n] for n, _ in reversed(named)]
-    assert ablation.config_options("powersgd4", 3744) == [
+    assert configs.config_options("powersgd4", 3744) == [
         "--compression", "--compressor", "torch_powersgd", "--density-warmup", "0",
         "--powersgd-rank", "4", "--powersgd-start-iter", "374"]
-    assert ablation.config_options("fp16", 3744) == [
+    assert configs.config_options("fp16", 3744) == [
         "--compression", "--compressor", "torch_fp16", "--density-warmup", "0"]
     for period in (4, 16, 64):
-        options = ablation.config_options(f"postlocal{period}", 3744)
+        options = configs.config_options(f"postlocal{period}", 3744)
         start = int(options[-1])
         assert options[-4:-1] == ["--postlocal-period", str(period), "--postlocal-start-iter"]
         assert 374 <= start < 374 + period and (3743 - start) % period == 0
     # the transformer front's: AdamW frozen after PowerSGD's dense start, and DiLoCo
-    assert ablation.config_options("spardl@0.01+adamfreeze", 3744)[-2:] == [
+    assert configs.config_options("spardl@0.01+adamfreeze", 3744)[-2:] == [
         "--adam-freeze-step", "374"]
-    assert ablation.config_options("spardl@0.01+adamfreeze25", 1000)[-2:] == [
+    assert configs.config_options("spardl@0.01+adamfreeze25", 1000)[-2:] == [
         "--adam-freeze-step", "250"]
-    assert ablation.config_options("spardl@0.01+update", 1000)[-2:] == ["--exchange", "update"]
-    assert ablation.config_options("diloco20", 3744) == [
+    assert configs.config_options("spardl@0.01+update", 1000)[-2:] == ["--exchange", "update"]
+    assert configs.config_options("diloco20", 3744) == [
         "--compression", "--compressor", "diloco", "--density-warmup", "0",
         "--diloco-period", "20"]
     for bad, match in [("powersgd", "write powersgdN"), ("powersgd0", "a whole number"),
@@ -773,7 +773,7 @@ def test_ablation_configs_for_the_accuracy_per_byte_front():
                        ("spardl@0.01+adamfreeze100", "0 < PCT < 100"),
                        ("spardl@0.01+adamfreezex", "0 < PCT < 100")]:
         with pytest.raises(ValueError, match=match):
-            ablation.config_options(bad, 3744)
+            configs.config_options(bad, 3744)
 
 
 def test_ablation_runs_in_parallel_give_what_sequential_runs_give(tmp_path):
@@ -822,7 +822,7 @@ def test_an_ablation_run_cut_off_resumes_and_reports_the_whole_run(tmp_path):
 def test_sample_limits_keep_the_class_mix_of_a_set_stored_by_class():
     """The tweets are stored by class: their first 2,000 test tweets are all negative, so a
     prefix would measure how often a model says 'negative'. Evenly spaced subsets keep the mix."""
-    from experiments.text import load_tweets
+    from testbed.text import load_tweets
     inputs, labels = load_tweets("test")
     assert torch.bincount(labels[:2000], minlength=3).tolist() == [2000, 0, 0]
     sub_inputs, sub_labels = main_trainer.spread_subset(inputs, labels, 2000)

@@ -33,7 +33,7 @@ def params_for(algorithm: str, density: float = DENSITY) -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _images() -> tuple[torch.Tensor, torch.Tensor]:
-    from experiments.datasets import load_fashion_mnist
+    from testbed.datasets import load_fashion_mnist
     images, labels = load_fashion_mnist("train")
     return images[:4096].reshape(4096, -1), labels[:4096]
 

@@ -25,7 +25,7 @@ MODELS = {
     "bert": lambda c, k: MiniLMClassifier(k),  # reads WordPiece ids (its own tokenizer)
 }
 # What each model reads: 'image' (N x C x H x W), 'text' (N x L ids -> class) or 'lm' (N x L
-# ids -> next ids); experiments.datasets.DATASET_TASKS says the same of each data set.
+# ids -> next ids); testbed.datasets.DATASET_TASKS says the same of each data set.
 MODEL_TASKS = {name: "image" for name in MODELS} | {"lstmimdb": "text", "lstm": "lm", "bert": "text",
                                                    "transformer": "lm"}
 

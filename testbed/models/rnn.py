@@ -49,7 +49,7 @@ class MiniLMClassifier(nn.Module):
         super().__init__()
         from transformers import AutoModel
 
-        from experiments.text import minilm_dir
+        from testbed.text import minilm_dir
         self.encoder = AutoModel.from_pretrained(str(minilm_dir()))
         self.head = nn.Linear(self.encoder.config.hidden_size, classes)
 

