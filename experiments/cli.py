@@ -339,12 +339,10 @@ def _check_compression(args: argparse.Namespace, p: argparse.ArgumentParser) -> 
                 "DistributedOptimizer or DDP hook: it needs --optimizer adamw, and neither a "
                 "baseline nor --fsdp")
     if args.exchange == "update" and (not args.compression or baseline or args.fsdp
-                                      or args.ddp_hook or args.momentum_correction
-                                      or args.adam_freeze_step):
+                                      or args.ddp_hook or args.momentum_correction):
         p.error("--exchange update synchronises each rank's optimizer step in this library's "
                 "DistributedOptimizer: it needs --compression with this library's algorithm, "
-                "and none of a baseline, --fsdp, --ddp-hook, --momentum-correction, "
-                "--adam-freeze-step")
+                "and none of a baseline, --fsdp, --ddp-hook, --momentum-correction")
 
 
 def _check_paths(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:

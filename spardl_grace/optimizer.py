@@ -171,7 +171,7 @@ class _DistributedOptimizer:
             first_step_timeout,
         )
         self._adam_freeze_step = adam_freeze_step
-        self._exchanges_updates = exchange == "update"
+        self._exchange = exchange
         self._momentum_correction = getattr(grace.memory, "momentum_correction", 0.0)
         self.backward_passes_per_step = backward_passes_per_step
         self._slots = [_BucketSlot(m) for m in buckets]
@@ -195,6 +195,13 @@ class _DistributedOptimizer:
     @property
     def grace(self) -> Synchronizer:
         return self._sync.grace
+
+    @property
+    def _exchanges_updates(self) -> bool:
+        """Whether this step exchanges the optimizer's step ('exchange': 'update'), not the
+        gradient: from the first step on, or with 'adam_freeze_step' W once the W dense
+        gradient steps that estimate the shared second moment are done."""
+        return self._exchange == "update" and self._sync.steps >= self._adam_freeze_step
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -343,14 +350,23 @@ class _DistributedOptimizer:
             return super().step(closure)  # type: ignore[misc]
 
     def _exchange_update(self, closure):
-        """'exchange': 'update': the wrapped optimizer steps on this rank's own gradients;
-        its step (the parameters before minus after, in the communication dtype) is
+        """'exchange': 'update': the wrapped optimizer steps on this rank's own gradients
+        (with 'adam_freeze_step', Adam's update with the shared second moment frozen); its
+        step (the parameters before minus after, in the communication dtype) is
         synchronised bucket by bucket as a gradient would be (compressed, with the memory's
         error feedback), and every rank sets its parameters to the ones before minus that
         average, the same bits on every rank."""
         before = [flatten_params(slot.params, slot.dtype) for slot in self._slots]
-        # The wrapped optimizer's class follows this mixin in the MRO (see DistributedOptimizer).
-        loss = super().step(closure)  # type: ignore[misc]
+        if self._adam_freeze_step:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            frozen_step(cast(torch.optim.Optimizer, self))
+        else:
+            # The wrapped optimizer's class follows this mixin in the MRO (see
+            # DistributedOptimizer).
+            loss = super().step(closure)  # type: ignore[misc]
         try:
             for slot, old in zip(self._slots, before):
                 moved = old - flatten_params(slot.params, slot.dtype)

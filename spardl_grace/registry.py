@@ -522,10 +522,10 @@ def _check_combination(p: dict[str, Any], coded: bool) -> None:
                 f"memory {mem!r}, communicator {comm!r} (GRACE's 'dgc' memory has its "
                 "own momentum)"
             )
-    if p["exchange"] == "update" and (p["momentum_correction"] or p["adam_freeze_step"]):
+    if p["exchange"] == "update" and p["momentum_correction"]:
         raise ValueError(
             "'exchange': 'update' sends the optimizer's own step, which already carries its "
-            "momentum and variance: leave momentum_correction and adam_freeze_step at 0"
+            "momentum: leave momentum_correction at 0"
         )
     if p["adam_freeze_step"] and comm == "dense":
         raise ValueError(

@@ -105,10 +105,14 @@ def test_at_density_one_the_step_applied_is_the_average_of_the_ranks_steps():
         assert all(not r["new"][step].any() for r in runs)
 
 
-def test_a_resumed_run_continues_bit_for_bit():
-    whole = run_local(2, train, UPDATE, 6)
-    half = run_local(2, train, UPDATE, 3)
-    rest = run_local(2, lambda t: train(t, UPDATE, 3, half[t.rank]["state"], first=3))
+@pytest.mark.parametrize("freeze", [0, 2])
+def test_a_resumed_run_continues_bit_for_bit(freeze):
+    """Cut after 3 steps (after the variance froze, with 'adam_freeze_step' 2) and resumed
+    from each rank's own optimizer and compression state, the run ends where it would have."""
+    params = {**UPDATE, "adam_freeze_step": freeze}
+    whole = run_local(2, train, params, 6)
+    half = run_local(2, train, params, 3)
+    rest = run_local(2, lambda t: train(t, params, 3, half[t.rank]["state"], first=3))
     for rank in range(2):
         assert torch.equal(rest[rank]["params"], whole[rank]["params"])
 
@@ -125,9 +129,8 @@ def test_ranks_that_disagree_on_the_exchange_all_raise():
 def test_bad_values_and_paths_that_cannot_exchange_updates_are_refused():
     with pytest.raises(ValueError, match="valid choices: gradient, update"):
         grace_from_params({**UPDATE, "exchange": "weights"})
-    for key in ("momentum_correction", "adam_freeze_step"):
-        with pytest.raises(ValueError, match="leave momentum_correction and adam_freeze_step"):
-            grace_from_params({**UPDATE, key: 0.9 if key == "momentum_correction" else 5})
+    with pytest.raises(ValueError, match="leave momentum_correction at 0"):
+        grace_from_params({**UPDATE, "momentum_correction": 0.9})
 
     def fn(t):
         grc = grace_from_params(UPDATE, transport=t)
@@ -142,6 +145,25 @@ def test_bad_values_and_paths_that_cannot_exchange_updates_are_refused():
     run_local(1, fn)
     with pytest.raises(ValueError, match="FSDP2 does not take"):
         hybrid_shard(_model(), None, UPDATE)
+
+
+def test_with_the_variance_frozen_density_one_is_the_frozen_adam_of_the_average_gradient():
+    """'adam_freeze_step' W with the update exchange: W dense gradient steps (every rank the
+    same second moment), then each rank's frozen-variance step, linear in its own momentum: at
+    density 1 the average of those steps is the frozen step on the average gradient, which
+    the gradient exchange takes (1-bit Adam's update)."""
+    exact = {**UPDATE, "compress_ratio": 1.0, "wire": "exact", "adam_freeze_step": 2}
+    by_update = run_local(3, train, exact, 5)
+    by_gradient = run_local(3, train, {**exact, "exchange": "gradient"}, 5)
+    for rank in range(3):
+        torch.testing.assert_close(by_update[rank]["params"], by_gradient[rank]["params"],
+                                   atol=1e-6, rtol=0)
+    plain = run_local(3, train, {**exact, "adam_freeze_step": 0}, 5)
+    assert not torch.allclose(plain[0]["params"], by_update[0]["params"], atol=1e-4)
+    sparse = run_local(3, train, {**UPDATE, "adam_freeze_step": 2}, 5)
+    assert all(torch.equal(r["params"], sparse[0]["params"]) for r in sparse)
+    assert all((sparse[0]["applied"][step] != 0).float().mean() == 1 for step in range(2))
+    assert all((sparse[0]["applied"][step] != 0).float().mean() < 0.5 for step in range(2, 5))
 
 
 def torchrun_training(transport) -> dict:
