@@ -277,6 +277,9 @@ class Synchronizer(ABC):
     #: grace_from_params' 'adam_freeze_step': DistributedOptimizer freezes an Adam's second
     #: moment after this many dense steps (spardl_grace.frozen_adam; 0: off)
     adam_freeze_step = 0
+    #: grace_from_params' 'dense_warmup_steps': DistributedOptimizer's and the DDP hook's
+    #: first steps synchronised dense (0: none)
+    dense_warmup_steps = 0
     #: grace_from_params' 'exchange': what DistributedOptimizer's ranks synchronise,
     #: 'gradient' or 'update' (each rank's own optimizer step)
     exchange = "gradient"

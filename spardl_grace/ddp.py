@@ -90,7 +90,9 @@ class CommHookState:
         if isinstance(grace, Mapping):
             resolved = resolve_params(dict(grace))  # bad keys raise now, not at the first step
             check_dense_path_keeps_momentum(
-                resolved["momentum_correction"], dense_warmup_steps, min_numel
+                resolved["momentum_correction"],
+                max(dense_warmup_steps, resolved["dense_warmup_steps"]),
+                min_numel,
             )
             self.momentum_correction = resolved["momentum_correction"]
             self.adam_freeze_step = resolved["adam_freeze_step"]

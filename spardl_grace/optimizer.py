@@ -466,7 +466,8 @@ def DistributedOptimizer(
         choices.
     bucket_cap_mb: fuse gradients into buckets of at most this size (None: one bucket per
         device and dtype, the whole model); not with groups.
-    dense_warmup_steps: the first steps are synchronised dense. With grace_from_params'
+    dense_warmup_steps: the first steps are synchronised dense (grace_from_params'
+        'dense_warmup_steps' says the same; give one or the other). With grace_from_params'
         'adam_freeze_step' W (an Adam or AdamW only), the first W steps are dense whatever
         this says, and from step W on step() runs the optimizer's update with its second
         moment frozen (spardl_grace.frozen_adam).

@@ -15,6 +15,7 @@ unknown key, name or out-of-range value raises ValueError naming the valid choic
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -170,7 +171,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             "sparse",
             _sparse(
                 OkTopk,
-                warmup="oktopk_warmup",
+                warmup="oktopk_warmup_steps",
                 threshold_interval="oktopk_threshold_interval",
                 region_interval="oktopk_region_interval",
                 local_scale="oktopk_local_scale",
@@ -323,6 +324,14 @@ PARAMS: tuple[Param, ...] = (
         int_at_least(0),
     ),
     ranged(
+        "dense_warmup_steps",
+        0,
+        "DistributedOptimizer's and the DDP hook's (so Lightning's and Accelerate's) first this "
+        "many steps are synchronised dense, with no selection and the residuals untouched "
+        "(the same as their dense_warmup_steps argument; give one or the other)",
+        int_at_least(0),
+    ),
+    ranged(
         "adam_freeze_step",
         0,
         "with torch.optim.Adam or AdamW under DistributedOptimizer or the DDP hook: the first "
@@ -415,12 +424,37 @@ def register_codec_keys(keys: CodecKeys) -> None:
 
 #: other names of keys: GRACE's own where this library's name differs, and 'density'
 ALIASES = {"density": "compress_ratio", "compress_rank": "powersgd_rank"}
+#: keys renamed into the one warm-up vocabulary (every warm-up is NAME_warmup_steps), still
+#: accepted for one release with a DeprecationWarning
+RENAMED = {"oktopk_warmup": "oktopk_warmup_steps"}
+
+
+def _renamed(params: dict[str, Any]) -> dict[str, Any]:
+    """`params` with RENAMED keys under their new names, each with a DeprecationWarning;
+    ValueError when both names are given."""
+    out = dict(params)
+    for old, new in RENAMED.items():
+        if old in out:
+            if new in out:
+                raise ValueError(f"'{old}' is the old name of '{new}': give '{new}' alone")
+            warnings.warn(
+                f"grace_from_params' '{old}' is now '{new}' (every warm-up is "
+                "NAME_warmup_steps); the old name goes in the next release",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            out[new] = out.pop(old)
+    return out
 
 
 def known_keys() -> set[str]:
     """Every key resolve_params accepts now: the core's, their ALIASES, and the registered
     codec packages' keys."""
-    return set(DEFAULTS) | set(ALIASES).union(*(k.defaults for k in _CODEC_KEYS.values()))
+    return (
+        set(DEFAULTS)
+        | set(ALIASES)
+        | set(RENAMED).union(*(k.defaults for k in _CODEC_KEYS.values()))
+    )
 
 
 def _codec_of(p: dict[str, Any]) -> PayloadCodec | None:
@@ -459,6 +493,7 @@ def _resolve(params: dict[str, Any]) -> tuple[dict[str, Any], PayloadCodec | Non
         raise ValueError(
             f"unknown parameter(s) {sorted(unknown)}; valid keys: {sorted(known)}{hint}"
         )
+    params = _renamed(params)
     p = {**DEFAULTS, **params}
     for alias, key in ALIASES.items():
         if alias in params:
@@ -650,6 +685,7 @@ def grace_from_params(
     memory = given["memory"] if "memory" in given else MEMORIES[p["memory"]](p)
     built = algorithm.build(compressor, memory, transport, p, codec)
     built.adam_freeze_step = p["adam_freeze_step"]
+    built.dense_warmup_steps = p["dense_warmup_steps"]
     built.exchange = p["exchange"]
     if algorithm.family == "sparse" and isinstance(built, SparseAllreduce):
         built.set_density_warmup(p["density_warmup_steps"], p["density_warmup_start"])

@@ -218,13 +218,22 @@ class GradientSync:
             raise ValueError(f"first_step_timeout must be > 0 seconds, got {first_step_timeout!r}")
         self.first_step_timeout = float(first_step_timeout)
         check_dense_path_keeps_momentum(
-            getattr(grace.memory, "momentum_correction", 0.0), dense_warmup_steps, min_numel
+            getattr(grace.memory, "momentum_correction", 0.0),
+            max(dense_warmup_steps, grace.dense_warmup_steps),
+            min_numel,
         )
         self.grace = grace
         grace.reuse_results = True  # each result is copied into the gradients before the next step
         self.dense = Dense(NoneMemory(), grace.transport)
+        if dense_warmup_steps and grace.dense_warmup_steps not in (0, dense_warmup_steps):
+            raise ValueError(
+                f"dense_warmup_steps={dense_warmup_steps} here and 'dense_warmup_steps': "
+                f"{grace.dense_warmup_steps} in the communicator's params: give one of them"
+            )
         # The steps before an Adam's variance freezes are the dense ones that estimate it.
-        self.dense_warmup_steps = max(dense_warmup_steps, grace.adam_freeze_step)
+        self.dense_warmup_steps = max(
+            dense_warmup_steps, grace.dense_warmup_steps, grace.adam_freeze_step
+        )
         self.min_numel = min_numel
         self.steps = 0
         #: whether the last finished step synchronised every bucket sparsely with a finite

@@ -356,10 +356,14 @@ def test_residuals_follow_parameters_when_buckets_change():
     assert results[0][4] == list(names)  # stored per parameter, no bucket keys left behind
 
 
-def test_dense_warmup_and_small_buckets_are_sent_dense():
+@pytest.mark.parametrize("as_key", [False, True])
+def test_dense_warmup_and_small_buckets_are_sent_dense(as_key):
+    """The dense warm-up given to GradientSync (DistributedOptimizer's, the DDP hook's
+    argument) or as grace_from_params' 'dense_warmup_steps' key: the same steps go dense."""
     def fn(t):
-        sync = GradientSync(grace_from_params(ts.params_for("spardl", 0.1), transport=t),
-                            dense_warmup_steps=1, min_numel=50)
+        params = {**ts.params_for("spardl", 0.1), **({"dense_warmup_steps": 1} if as_key else {})}
+        sync = GradientSync(grace_from_params(params, transport=t),
+                            dense_warmup_steps=0 if as_key else 1, min_numel=50)
         g = torch.Generator().manual_seed(t.rank)
         small, large = Bucket(("s",), (49,)), Bucket(("l",), (200,))
         out = []
@@ -375,6 +379,16 @@ def test_dense_warmup_and_small_buckets_are_sent_dense():
         assert torch.equal(results[0][step][2], xs)  # small bucket: dense on every step
         large_dense = torch.equal(results[0][step][3], ys)
         assert large_dense == (step == 0)  # large bucket: dense only in warm-up
+
+
+def test_the_dense_warmup_given_twice_differently_is_refused():
+    def fn(t):
+        grc = grace_from_params({**ts.params_for("spardl", 0.1), "dense_warmup_steps": 2},
+                                transport=t)
+        GradientSync(grc, dense_warmup_steps=2)  # the same: fine
+        with pytest.raises(ValueError, match="give one of them"):
+            GradientSync(grc, dense_warmup_steps=3)
+    run_local(1, fn)
 
 
 # ------------------------------------------------------------------- real launchers

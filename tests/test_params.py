@@ -33,7 +33,7 @@ def test_every_key_refuses_a_bad_value_by_name(param):
 
 
 @pytest.mark.parametrize("key,value", [("teams", True), ("seed", 1.5), ("world_size", 0),
-                                       ("oktopk_warmup", -1), ("powersgd_rank", False)])
+                                       ("oktopk_warmup_steps", -1), ("powersgd_rank", False)])
 def test_bools_floats_and_out_of_range_values_are_refused(key, value):
     with pytest.raises(ValueError, match=f"^{key} must be"):
         resolve_params({**SPARSE, key: value})

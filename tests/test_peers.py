@@ -271,7 +271,7 @@ def test_oktopk_balanced_regions_follow_a_skewed_gradient():
 
 def test_oktopk_dense_warmup():
     n, size = 300, 3
-    params = {"communicator": "oktopk", "compress_ratio": 0.01, "oktopk_warmup": 2}
+    params = {"communicator": "oktopk", "compress_ratio": 0.01, "oktopk_warmup_steps": 2}
     per_rank = run_steps(size, params, n, steps=3, integer_valued=True)
     for step in range(2):
         total = sum(r[step]["compensated"] for r in per_rank)
@@ -326,7 +326,7 @@ def test_global_kth_magnitude_is_exact(dtype):
 
 @pytest.mark.parametrize("params,match", [
     ({"communicator": "gtopk", "gtopk_residual": "tree"}, "gtopk_residual rule 'tree'.*exact, paper"),
-    ({"communicator": "oktopk", "oktopk_warmup": -1}, "oktopk_warmup must be an int >= 0"),
+    ({"communicator": "oktopk", "oktopk_warmup_steps": -1}, "oktopk_warmup_steps must be an int >= 0"),
     ({"communicator": "oktopk", "oktopk_threshold_interval": 0}, "oktopk_threshold_interval must be"),
     ({"communicator": "oktopk", "oktopk_local_scale": 1.0}, "oktopk_local_scale must be a number > 1"),
     ({"communicator": "dense", "compressor": "qsgd"}, "communicator 'dense' sends the uncompressed"),

@@ -55,3 +55,17 @@ def test_nothing_in_the_checkout_uses_the_old_names():
     for path in (ROOT / "README.md",):
         found += [f"README.md: {line}" for line in path.read_text().splitlines() if uses.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_one_warmup_vocabulary_the_old_key_warns_and_means_the_new_one():
+    """Every warm-up is NAME_warmup_steps: Ok-Topk's old 'oktopk_warmup' still works for one
+    release, with a DeprecationWarning, and means 'oktopk_warmup_steps'; both at once raise."""
+    from spardl_grace.registry import resolve_params
+    with pytest.warns(DeprecationWarning, match="'oktopk_warmup' is now 'oktopk_warmup_steps'"):
+        old = resolve_params({"communicator": "oktopk", "compressor": "topk", "oktopk_warmup": 3})
+    assert old["oktopk_warmup_steps"] == 3 and "oktopk_warmup" not in old
+    with pytest.raises(ValueError, match="give 'oktopk_warmup_steps' alone"):
+        resolve_params({"communicator": "oktopk", "compressor": "topk", "oktopk_warmup": 3,
+                        "oktopk_warmup_steps": 3})
+    warmups = [k for k in resolve_params({}) if "warmup" in k and k != "density_warmup_start"]
+    assert all(k.endswith("_warmup_steps") for k in warmups), warmups

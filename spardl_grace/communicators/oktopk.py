@@ -55,7 +55,7 @@ LOCAL_BAND = (2 / 3, 5 / 4)  # nudge theta_local when the local count leaves [2k
 GLOBAL_BAND = (2 / 3, 4 / 3)  # nudge theta_global when the global count leaves [2k/3, 4k/3]
 GUARD_BAND = (1 / 2, 3 / 2)  # recompute a reused threshold at once outside [k/2, 3k/2]
 PARAMS = (
-    ranged("oktopk_warmup", 0, "Ok-Topk's dense steps before sparsifying", int_at_least(0)),
+    ranged("oktopk_warmup_steps", 0, "Ok-Topk's dense steps before sparsifying", int_at_least(0)),
     ranged(
         "oktopk_threshold_interval",
         32,
@@ -135,7 +135,7 @@ class OkTopk(CodedAllreduce):
         memory: Memory,
         transport: Transport,
         density: float,
-        warmup: int = DEFAULTS["warmup"],
+        warmup: int = DEFAULTS["warmup_steps"],
         threshold_interval: int = DEFAULTS["threshold_interval"],
         region_interval: int = DEFAULTS["region_interval"],
         local_scale: float = DEFAULTS["local_scale"],
