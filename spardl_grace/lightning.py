@@ -52,9 +52,14 @@ class GradientCompression(pl.Callback):
     grace: GRACE's parameters (a dict: the state is built from the LightningModule when the
     fit starts, after Lightning started the processes), or a CommHookState, for the one passed
     to DDPStrategy(ddp_comm_state=...). A strategy other than DDPStrategy (FSDP, DeepSpeed,
-    one device) raises ValueError, as does a DDPStrategy given another hook or state."""
+    one device) raises ValueError, as does a DDPStrategy given another hook or state.
 
-    def __init__(self, grace: Mapping[str, Any] | CommHookState):
+    log_stats: after each training batch, log the last synchronised step's statistics (bytes
+    sent, entries, density, seconds selecting, coding and communicating: CommHookState's
+    last_stats) as `compression/NAME` through the LightningModule's log_dict, so they reach
+    whatever loggers the trainer has (W&B, TensorBoard, CSV); False logs nothing."""
+
+    def __init__(self, grace: Mapping[str, Any] | CommHookState, log_stats: bool = True):
         if not isinstance(grace, (Mapping, CommHookState)):
             raise TypeError(
                 "grace must be a dict of GRACE's parameters or a spardl_grace.CommHookState, "
@@ -62,7 +67,10 @@ class GradientCompression(pl.Callback):
             )
         if isinstance(grace, Mapping):
             resolve_params(dict(grace))  # bad parameters raise here, not at the fit
+        if not isinstance(log_stats, bool):
+            raise TypeError(f"log_stats must be True or False, got {log_stats!r}")
         self._grace = grace
+        self.log_stats = log_stats
         self.state: CommHookState | None = grace if isinstance(grace, CommHookState) else None
 
     @property
@@ -105,6 +113,21 @@ class GradientCompression(pl.Callback):
         if any(state is self.state for _, state in getattr(model, "_comm_hooks", [])):
             return
         model.register_comm_hook(self.state, comm_hook)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Log the last synchronised step's statistics (see log_stats)."""
+        if not self.log_stats or self.state is None or not self.state.synchronized_steps:
+            return
+        stats = {f"compression/{k}": float(v) for k, v in self.state.last_stats.items()}
+        if stats:
+            pl_module.log_dict(stats, on_step=True, on_epoch=False)
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's compression state, gathered to rank 0, which Lightning writes (a

@@ -36,6 +36,9 @@ def test_lightning_resumes_bit_identically_from_its_own_checkpoint(launch):
     assert r["residual_norm"] > 0
     assert 0 < r["bytes_sent"] < 0.5 * DENSE_BYTES  # sparse messages, not DDP's all-reduce
     assert r["lightning_form_steps"] == 16  # 256 samples / 2 ranks / batch 8: one epoch
+    # the last step's statistics reached the trainer's logged metrics
+    assert r["logged"]["compression/bytes_sent"] == r["bytes_sent"]
+    assert {"compression/selection_s", "compression/comm_s"} <= set(r["logged"])
 
 
 def test_accelerate_resumes_bit_identically_from_save_state(launch):

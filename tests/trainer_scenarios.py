@@ -88,6 +88,7 @@ def _fit(transport, epochs: int, callbacks: list, ckpt_path: str | None = None,
                          enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=outdir())
     trainer.fit(model, loader, ckpt_path=ckpt_path)
+    model.fitted_by = trainer
     return model
 
 
@@ -119,6 +120,8 @@ def lightning_resume(transport) -> dict:
         "saved_ranks": len(saved["callbacks"][sparse.state_key]["ranks"]),
         "residual_norm": residual_norm(sparse.state),
         "bytes_sent": sparse.state.last_stats["bytes_sent"],
+        "logged": {k: float(v) for k, v in straight.fitted_by.logged_metrics.items()
+                   if k.startswith("compression/")},
         "lightning_form_steps": state.sync.steps,
         "lightning_form": flat(model),
     }
