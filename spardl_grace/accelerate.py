@@ -79,3 +79,14 @@ def register_comm_hook(
     accelerator.register_save_state_pre_hook(lambda models, weights, folder: files.save(folder))
     accelerator.register_load_state_pre_hook(lambda models, folder: files.load(folder))
     return state
+
+
+def log_stats(accelerator: Any, state: CommHookState, step: int | None = None) -> None:
+    """Log `state`'s last synchronised step's statistics (bytes sent, entries, density,
+    seconds selecting, coding and communicating) as `compression/NAME` through
+    accelerator.log, to whatever trackers the Accelerator was given (W&B, TensorBoard, ...);
+    nothing before the first synchronised step. Call it after optimizer.step(), e.g. beside
+    your own accelerator.log."""
+    if state.synchronized_steps:
+        stats = {f"compression/{k}": float(v) for k, v in state.last_stats.items()}
+        accelerator.log(stats, step=step)

@@ -55,6 +55,10 @@ def test_accelerate_resumes_bit_identically_from_save_state(launch):
     assert r["residual_norm"] > 0 and r["steps"] == 24
     assert 0 < r["bytes_sent"] < 0.5 * DENSE_BYTES
     assert "already has a communication hook" in r["twice"]
+    # log_stats: the state's last statistics reach the main process's trackers, at the step
+    (logged, step), = r["logged"]
+    assert step == 24 and logged["compression/bytes_sent"] == r["bytes_sent"]
+    assert all(not other["logged"] for other in results[1:])  # trackers log on the main process
     for r in results:
         # saving from the main process alone stalled 313 s and ended in TransportTimeout (the
         # state's gather was a collective); now it saves rank 0's file, and resuming raises

@@ -172,6 +172,25 @@ def accelerate_resume(transport) -> dict:
     import time
     import warnings
 
+    from accelerate import Accelerator
+    from accelerate.tracking import GeneralTracker
+
+    class MemoryTracker(GeneralTracker):
+        """Keeps what it is given."""
+
+        name, requires_logging_directory = "memory", False
+
+        def __init__(self):
+            super().__init__()
+            self.logged: list[tuple[dict, int | None]] = []
+
+        @property
+        def tracker(self):
+            return self.logged
+
+        def log(self, values: dict, step: int | None = None, **kwargs):
+            self.logged.append((dict(values), step))
+
     accelerator, straight, state = _accelerate_run(0, load=False, save=True)
     _, resumed, _ = _accelerate_run(SAVE_AT, load=True)
     _, without_state, _ = _accelerate_run(SAVE_AT, load=True, register=False)
@@ -194,7 +213,11 @@ def accelerate_resume(transport) -> dict:
         twice = ""
     except ValueError as exc:
         twice = str(exc)
-    return {"straight": flat(straight), "resumed": flat(resumed),
+    tracker = MemoryTracker()
+    tracked = Accelerator(cpu=True, log_with=[tracker])
+    tracked.init_trackers("spardl")
+    spardl_grace.accelerate.log_stats(tracked, state, step=STEPS)
+    return {"logged": tracker.logged, "straight": flat(straight), "resumed": flat(resumed),
             "without_state": flat(without_state), "residual_norm": residual_norm(state),
             "bytes_sent": state.last_stats["bytes_sent"], "steps": state.sync.steps,
             "distributed_type": str(accelerator.distributed_type), "twice": twice,
