@@ -123,7 +123,18 @@ def communication_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class Memory(ABC):
-    """Error feedback: what was not sent in one step is added back in the next."""
+    """Error feedback: what was not sent in one step is added back in the next.
+
+    GRACE's protocol, per tensor `name`: compensate(tensor, name) returns the gradient plus
+    what is remembered for `name` (the tensor to compress); a GRACE communicator then calls
+    update(tensor, name, compressor, tensor_compressed, ctx) before it communicates, so the
+    memory can keep what compression dropped; a sparse all-reduce, which decides the residual
+    while it communicates, calls store_residual(name, residual, result) instead. A memory that
+    communicates (a global residual) is given the transport with bind(). state_dict() and
+    load_state_dict() checkpoint what it remembers. The library's memories are 'none',
+    'residual', 'global_residual' (with DGC's momentum correction and local clipping), 'dgc',
+    'efsignsgd' and 'powersgd' (grace_from_params' 'memory'); a GRACE user's own memory needs
+    compensate() only."""
 
     def __init__(self) -> None:
         self.transport: Transport | None = None

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from experiments import cli, main_trainer, recipe
+from experiments import cli, recipe
 from testbed.models import build_model
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, _env, require_netns
-from experiments import cli, main_trainer, syncs
+from experiments import cli, main_trainer
 from testbed import text
 from testbed.datasets import DATASET_TASKS, DATASETS, load_dataset
 from testbed.models import MODEL_TASKS, MODELS, build_model
