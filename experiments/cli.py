@@ -332,7 +332,7 @@ def _check_compression(args: argparse.Namespace, p: argparse.ArgumentParser) -> 
     if args.postlocal_period < 2 or args.postlocal_start_iter < 0:
         p.error("--postlocal-period must be >= 2 (1 is plain DDP) and --postlocal-start-iter "
                 ">= 0")
-    baseline = args.compression and args.compressor in BASELINES
+    baseline = is_baseline(args)
     if args.adam_freeze_step and (args.optimizer != "adamw" or baseline or args.fsdp
                                   or args.adam_freeze_step < 0):
         p.error("--adam-freeze-step N (N >= 1) freezes AdamW's second moment in this library's "
@@ -345,10 +345,15 @@ def _check_compression(args: argparse.Namespace, p: argparse.ArgumentParser) -> 
                 "and none of a baseline, --fsdp, --ddp-hook, --momentum-correction")
 
 
+def is_baseline(args: argparse.Namespace) -> bool:
+    """Whether the arguments ask for one of PyTorch's own paths (or DiLoCo): BASELINES."""
+    return bool(args.compression and args.compressor in BASELINES)
+
+
 def _check_paths(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     """The combinations each path refuses (baselines, the DDP hook, FSDP2), and the library's
     own check of the params the arguments make."""
-    baseline = args.compression and args.compressor in BASELINES
+    baseline = is_baseline(args)
     if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
     if args.bucket_cap_mb is not None and baseline and args.compressor == "torch_powersgd":

@@ -23,13 +23,14 @@ from typing import Any
 import torch
 
 from experiments import recipe
-from experiments.cli import BASELINES, library_warms_up, parse_args
+from experiments.cli import is_baseline, library_warms_up, parse_args
 from experiments.evaluation import evaluate, flat_outputs
 from experiments.run_log import Logger, new_run_id
 from experiments.syncs import build_sync
 from spardl_grace import launch
 from spardl_grace.checkpoint import load_agreed_checkpoint, save_checkpoint
 from spardl_grace.warmup import warmup_density
+from testbed.netem import interface_tx_bytes
 
 # The sparse all-reduces' own split of a sync (seconds); GRACE's loop reports none of them.
 TIME_SPLIT = ("selection_s", "comm_s", "coding_s")
@@ -97,7 +98,7 @@ def start(args: argparse.Namespace) -> None:
                              "your launcher's network instead")
         launch_on_emulated_network(args)
         return
-    if kind == "none" and args.nworkers == 1 and args.compression and args.compressor in BASELINES:
+    if kind == "none" and args.nworkers == 1 and is_baseline(args):
         raise SystemExit(f"{args.compressor} is DistributedDataParallel: use --nworkers >= 2 or "
                          "a launcher (torchrun)")
     if kind == "none" and args.nworkers > 1:
@@ -160,8 +161,6 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, transport):
         from spardl_grace.transport.counting import ring_allreduce_bytes
-        from testbed.netem import interface_tx_bytes
-
         self.args, self.transport = args, transport
         self.rank, self.world = transport.rank, transport.size
         self._load_data()
@@ -268,8 +267,6 @@ class Trainer:
 
     def evaluation(self, step: int, epoch: float) -> dict[str, Any]:
         """Evaluate on rank 0 with the clock stopped; every rank gets the same figures."""
-        from testbed.netem import interface_tx_bytes
-
         args, totals, window = self.args, self.totals, self.window
         figures = torch.zeros(4, dtype=torch.float64)
         scored = self.sync.evaluation_model(self.rank) if args.fsdp else self.model  # all gather
@@ -397,8 +394,6 @@ class Trainer:
 
     def _finish(self) -> dict[str, Any]:
         """The run's summary, logged, and this rank's final parameters saved beside it."""
-        from testbed.netem import interface_tx_bytes
-
         totals, sync = self.totals, self.sync
         steps = max(totals["steps"], 1)
         summary = {**self.summary, "steps_run": totals["steps"],

@@ -13,7 +13,7 @@ import torch
 
 from deepreduce_compat import deepreduce_from_params
 from experiments import recipe
-from experiments.cli import BASELINES, grace_params
+from experiments.cli import grace_params, is_baseline
 from experiments.evaluation import residual_norm
 
 
@@ -103,7 +103,7 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport,
     if args.compression and args.compressor == "diloco":
         from experiments.diloco import DiLoCoSync
         return DiLoCoSync(model, optimizer, args.diloco_period), None
-    if args.compression and args.compressor in BASELINES:
+    if is_baseline(args):
         from testbed.baselines import TorchDDPSync
         postlocal = args.compressor == "torch_postlocal"
         return TorchDDPSync(model, optimizer, args.compressor, args.powersgd_rank,

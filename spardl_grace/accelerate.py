@@ -87,6 +87,6 @@ def log_stats(accelerator: Any, state: CommHookState, step: int | None = None) -
     accelerator.log, to whatever trackers the Accelerator was given (W&B, TensorBoard, ...);
     nothing before the first synchronised step. Call it after optimizer.step(), e.g. beside
     your own accelerator.log."""
-    if state.synchronized_steps:
-        stats = {f"compression/{k}": float(v) for k, v in state.last_stats.items()}
+    stats = state.stats_to_log()
+    if stats:
         accelerator.log(stats, step=step)

@@ -192,6 +192,14 @@ class CommHookState:
         """The last finished step's statistics, summed over its buckets."""
         return self.sync.last_stats
 
+    def stats_to_log(self) -> dict[str, float]:
+        """last_stats as floats named `compression/NAME`, what the Lightning callback and
+        spardl_grace.accelerate.log_stats hand the trainers' loggers; empty before the first
+        synchronised step."""
+        if not self.synchronized_steps:
+            return {}
+        return {f"compression/{k}": float(v) for k, v in self.last_stats.items()}
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's compression state; loads with torch.load(weights_only=True)."""
         return self.sync.state_dict()

@@ -123,9 +123,7 @@ class GradientCompression(pl.Callback):
         batch_idx: int,
     ) -> None:
         """Log the last synchronised step's statistics (see log_stats)."""
-        if not self.log_stats or self.state is None or not self.state.synchronized_steps:
-            return
-        stats = {f"compression/{k}": float(v) for k, v in self.state.last_stats.items()}
+        stats = self.state.stats_to_log() if self.log_stats and self.state is not None else {}
         if stats:
             pl_module.log_dict(stats, on_step=True, on_epoch=False)
 

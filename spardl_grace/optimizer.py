@@ -337,7 +337,14 @@ class _DistributedOptimizer:
             else:
                 self.synchronize()
         self._synchronized = False
-        if self._adam_freeze_step and self._sync.steps > self._adam_freeze_step:
+        frozen = bool(self._adam_freeze_step) and self._sync.steps > self._adam_freeze_step
+        return self._own_step(closure, frozen)
+
+    def _own_step(self, closure, frozen: bool):
+        """The optimizer's update from .grad, returning the closure's loss: an Adam's with its
+        second moment frozen (spardl_grace.frozen_adam) when `frozen`, else the wrapped
+        optimizer's own step, with momentum correction's momentum handed over for it."""
+        if frozen:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -357,16 +364,7 @@ class _DistributedOptimizer:
         error feedback), and every rank sets its parameters to the ones before minus that
         average, the same bits on every rank."""
         before = [flatten_params(slot.params, slot.dtype) for slot in self._slots]
-        if self._adam_freeze_step:
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            frozen_step(cast(torch.optim.Optimizer, self))
-        else:
-            # The wrapped optimizer's class follows this mixin in the MRO (see
-            # DistributedOptimizer).
-            loss = super().step(closure)  # type: ignore[misc]
+        loss = self._own_step(closure, frozen=bool(self._adam_freeze_step))
         try:
             for slot, old in zip(self._slots, before):
                 moved = old - flatten_params(slot.params, slot.dtype)
@@ -394,10 +392,7 @@ class _DistributedOptimizer:
         """The wrapped optimizer's step on the zero gradients, creating its state, with the
         parameters put back (weight decay would move them on these ranks only)."""
         before = [p.detach().clone() for p in self._slot_of]
-        with momentum_handed_over(cast(torch.optim.Optimizer, self), self._momentum_correction):
-            # The wrapped optimizer's class follows this mixin in the MRO (see
-            # DistributedOptimizer).
-            result = super().step(closure)  # type: ignore[misc]
+        result = self._own_step(closure, frozen=False)
         with torch.no_grad():
             for p, kept in zip(self._slot_of, before):
                 p.copy_(kept)

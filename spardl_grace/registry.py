@@ -448,13 +448,9 @@ def _renamed(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def known_keys() -> set[str]:
-    """Every key resolve_params accepts now: the core's, their ALIASES, and the registered
-    codec packages' keys."""
-    return (
-        set(DEFAULTS)
-        | set(ALIASES)
-        | set(RENAMED).union(*(k.defaults for k in _CODEC_KEYS.values()))
-    )
+    """Every key resolve_params accepts now: the core's, their ALIASES, the RENAMED keys' old
+    names, and the registered codec packages' keys."""
+    return set(DEFAULTS).union(ALIASES, RENAMED, *(k.defaults for k in _CODEC_KEYS.values()))
 
 
 def _codec_of(p: dict[str, Any]) -> PayloadCodec | None:
