@@ -43,9 +43,9 @@ from typing import Iterable, Sequence
 from spardl_grace.communicators.collectives import RADIX_BITS
 from spardl_grace.communicators.schedules import bruck_rounds, srs_schedule
 from spardl_grace.selection import count_for_ratio
+from spardl_grace import compact
 from spardl_grace.compact import VALUE_BYTES, index_width
 from spardl_grace.payload import frame_overhead
-from spardl_grace.utils import bitpack
 from spardl_grace.registry import SPARSE_ALLREDUCES
 
 # Every communicator of the registry but GRACE's and Gaussian-k (TopkA's traffic with another
@@ -158,9 +158,7 @@ def message_bytes(count: int, block: int, wire: str) -> int:
     """Bytes of a message of `count` entries of a block of `block` entries, as the
     implementation sends it: 8 an entry on the exact wire; on the compact one 2 an entry and
     the indices packed at index_width(block) bits, rounded up to a whole byte."""
-    if wire == "exact":
-        return ENTRY * count
-    return VALUE_BYTES * count + bitpack.packed_size(count, index_width(block))
+    return ENTRY * count if wire == "exact" else compact.message_bytes(count, block)
 
 
 def formula_bytes(algorithm: str, n: int, size: int, density: float, teams: int = 1,

@@ -13,7 +13,9 @@ Started as a plain command it launches --nworkers local worker processes itself 
 (the default where a GPU is visible) trains on rank r's GPU: NCCL where every rank has its own,
 gloo where ranks share one. Without
 --compression every algorithm runs dense. --compressor takes a sparse all-reduce (spardl,
-topka, topkdsa, gtopk, oktopk, gaussiank, dense), a GRACE compressor (topk, randomk, qsgd, ...),
+topka, topkdsa, gtopk, oktopk, gaussiank, dense), auto (the library chooses among dense,
+16-bit dense and SparDL densities from the measured link: spardl_grace.communicators.auto),
+a GRACE compressor (topk, randomk, qsgd, ...),
 which then runs with GRACE's memory and communicator for it, or one of PyTorch's own choices
 as they ship: DistributedDataParallel (torch_ddp) with its fp16 hook (torch_fp16), its
 PowerSGD hook (torch_powersgd, --powersgd-rank) or post-local SGD (torch_postlocal,
@@ -59,7 +61,7 @@ GRACE_PAIRS = {
 }
 BASELINES = ("torch_ddp", "torch_fp16", "torch_powersgd", "torch_postlocal",  # testbed.baselines
              "diloco")  # experiments.diloco
-COMPRESSORS = (*SPARSE_ALLREDUCES, *GRACE_PAIRS, *BASELINES)
+COMPRESSORS = (*SPARSE_ALLREDUCES, "auto", *GRACE_PAIRS, *BASELINES)
 # DGC's density warm-up over this many first epochs is the sparse all-reduces' default: of
 # DGC's techniques it alone brought SparDL near dense in the recorded ablation
 # (experiments/results/ablation_mnistcnn); momentum correction and local clipping did not.
@@ -80,7 +82,7 @@ def _from_grace_config(args: argparse.Namespace) -> None:
     config = args.grace_config
     communicator = config.get("communicator", "allreduce")
     args.compression = True
-    args.compressor = communicator if communicator in SPARSE_ALLREDUCES \
+    args.compressor = communicator if communicator in (*SPARSE_ALLREDUCES, "auto") \
         else config.get("compressor", "none")
     ratio = config.get("compress_ratio", config.get("density"))
     if ratio is not None:
@@ -92,6 +94,8 @@ def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -
     (density_warmup_steps, density_warmup_start) unless --grace-config sets one."""
     if args.grace_config is not None:
         return {"seed": args.seed, **library_warmup(args, steps_per_epoch), **args.grace_config}
+    if args.compression and args.compressor == "auto":
+        return auto_params(args)
     if not args.compression:
         params = allreduce_params("dense", args.teams)
     elif args.compressor in (*SPARSE_ALLREDUCES, "none"):
@@ -119,6 +123,15 @@ def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -
     if args.exchange != "gradient":
         params["exchange"] = args.exchange
     return {**params, **library_warmup(args, steps_per_epoch)}
+
+def auto_params(args: argparse.Namespace) -> dict[str, Any]:
+    """GRACE params of 'communicator': 'auto' (it chooses the density itself: --density is not
+    passed on), with SparDL's floor where --min-entries sets one."""
+    params = {"compressor": "none", "memory": "global_residual", "communicator": "auto",
+              "seed": args.seed}
+    if args.min_entries is not None:
+        params["min_entries"] = args.min_entries
+    return params
 
 def library_warmup(args: argparse.Namespace, steps_per_epoch: int | None) -> dict[str, Any]:
     """The library's density warm-up keys for --density-warmup epochs of `steps_per_epoch`

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -218,6 +219,8 @@ class Trainer:
         if args.max_steps is not None:
             self.steps_per_epoch = min(self.steps_per_epoch, args.max_steps)
         self.sync, self.params = build_sync(args, self.model, self.transport, self.steps_per_epoch)
+        if self.rank == 0 and args.compression and args.compressor == "auto":
+            _print_plans()
         # GRACE's compressors warm up through set_density, on the library's schedule.
         self.warmup = (round(args.density_warmup * self.steps_per_epoch),
                        args.density_warmup_start, args.density)
@@ -370,6 +373,8 @@ class Trainer:
                   "lr": self.scheduler.get_last_lr()[0], "step_s": step_s, **times}
         if density is not None:
             record["density"] = density
+        # 'communicator': 'auto''s plan: its choice, predicted step, link (W&B shows them too)
+        record.update({k: float(v) for k, v in sync.last_stats.items() if k.startswith("auto_")})
         self.logger.log(record, step)
         self.progress.update(1)
 
@@ -431,6 +436,14 @@ def _progress(rank: int, total: int):
     except ImportError:
         return _NoProgress()
     return tqdm(total=total, unit="step")
+
+
+def _print_plans() -> None:
+    """Print 'communicator': 'auto''s one-line plans (its logger's INFO records) on stdout."""
+    plans = logging.getLogger("spardl_grace.auto")
+    plans.setLevel(logging.INFO)
+    if not plans.handlers:
+        plans.addHandler(logging.StreamHandler(sys.stdout))
 
 
 def main(argv: list[str] | None = None) -> None:

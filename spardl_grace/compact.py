@@ -42,6 +42,13 @@ def index_width(block_size: int) -> int:
     return max(0, block_size - 1).bit_length()
 
 
+def message_bytes(count: int, block_size: int) -> int:
+    """Payload bytes of a compact message of `count` entries of a block of `block_size`
+    entries: 2 an entry and the indices packed at index_width(block_size) bits, rounded up
+    to a whole byte."""
+    return VALUE_BYTES * count + bitpack.packed_size(count, index_width(block_size))
+
+
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:
     """The 16-bit type that a block of `dtype` sends its values in."""
     if not dtype.is_floating_point:

@@ -30,6 +30,7 @@ from .api import (
     SparseAllreduce,
     Synchronizer,
 )
+from .communicators.auto import Auto
 from .communicators.dense import Dense
 from .communicators.grace import Allgather, Allreduce, Broadcast
 from .communicators.gtopk import RESIDUAL_RULES, GTopk
@@ -51,6 +52,7 @@ from .params import (
     ranged,
 )
 from .payload import ChecksummedCodec, IdentityCodec, PayloadCodec
+from .planner import CANDIDATE_RULE, DEFAULT_CANDIDATES, parse_candidates
 from .transport import Transport, default_transport
 
 COMPRESSORS: dict[str, Callable[[dict], Compressor]] = {
@@ -92,7 +94,8 @@ Build = Callable[
 class Algorithm:
     """A communicator: its name, its family ('grace': GRACE's compressor-memory-communicator
     trio; 'sparse': a sparse all-reduce that selects entries itself; 'dense': the
-    uncompressed baseline), how it is built from the resolved params, and what it is."""
+    uncompressed baseline; 'auto': the library's choice among dense, 16-bit dense and
+    SparDL), how it is built from the resolved params, and what it is."""
 
     name: str
     family: str
@@ -191,6 +194,22 @@ ALGORITHMS: dict[str, Algorithm] = {
             lambda c, m, t, p, codec: Dense(m, t),
             "the uncompressed all-reduce, for comparison",
         ),
+        Algorithm(
+            "auto",
+            "auto",
+            lambda c, m, t, p, codec: Auto(
+                m,
+                t,
+                candidates=p["auto_candidates"],
+                budget=p["auto_budget"],
+                measure_steps=p["auto_measure_steps"],
+                replan_window=p["auto_replan_window"],
+                replan_tolerance=p["auto_replan_tolerance"],
+                min_entries=p["min_entries"],
+            ),
+            "the library's choice among dense, 16-bit dense and SparDL densities, from the "
+            "measured link and compute (spardl_grace.planner)",
+        ),
     )
 }
 GRACE_COMMUNICATORS: dict[str, Build] = {
@@ -205,7 +224,7 @@ COMMUNICATORS = sorted([*GRACE_COMMUNICATORS, *SPARSE_COMMUNICATORS])
 
 #: the compressors that GRACE configs give a communicator without one (accepted, ignored), by
 #: family: the sparse all-reduces select by themselves, the dense one sends everything
-IGNORED_COMPRESSORS = {"sparse": ("topk",), "dense": ("none", "topk")}
+IGNORED_COMPRESSORS = {"sparse": ("topk",), "dense": ("none", "topk"), "auto": ("none", "topk")}
 _COMPRESSOR_CLASSES = {"topk": C.TopKCompressor, "none": C.NoneCompressor}
 
 # Compressors whose compressed tensors may be summed element-wise (all-reduce compatible).
@@ -375,7 +394,44 @@ PARAMS: tuple[Param, ...] = (
         boolean(),
     ),
     *OKTOPK_PARAMS,
+    Param(
+        "auto_candidates",
+        DEFAULT_CANDIDATES,
+        "communicator 'auto': what it chooses among, each "
+        f"{CANDIDATE_RULE} (least compression first)",
+        check=lambda v: isinstance(v, (list, tuple)),
+        rule=f"a list of candidate names ({CANDIDATE_RULE})",
+    ),
+    ranged(
+        "auto_budget",
+        0.05,
+        "communicator 'auto': how much slower than the fastest candidate's predicted step the "
+        "least compressed candidate it takes may be",
+        fraction(low_open=True),
+    ),
+    ranged(
+        "auto_measure_steps",
+        10,
+        "communicator 'auto': dense steps measured (compute and synchronisation) before it plans",
+        int_at_least(2),
+    ),
+    ranged(
+        "auto_replan_window",
+        20,
+        "communicator 'auto': steps between checks of measured synchronisation against the "
+        "plan's prediction (0: never re-plan)",
+        int_at_least(0),
+    ),
+    ranged(
+        "auto_replan_tolerance",
+        0.25,
+        "communicator 'auto': how far (relatively) the window's measured synchronisation may "
+        "stray from the prediction before it probes the link and plans again",
+        number_above(0),
+    ),
 )
+#: the keys that configure communicator 'auto' and nothing else
+AUTO_KEYS = tuple(p.key for p in PARAMS if p.key.startswith("auto_"))
 DEFAULTS: dict[str, Any] = {p.key: p.default for p in PARAMS}
 
 
@@ -504,11 +560,13 @@ def _resolve(params: dict[str, Any]) -> tuple[dict[str, Any], PayloadCodec | Non
     for keys in _CODEC_KEYS.values():
         p.update(keys.resolve(p))
     chosen = _codec_of(p)
+    _check_auto(p, set(params), coded=chosen is not None)
     _check_combination(p, coded=chosen is not None)
     if "wire" in params:
         _check_wire(p["communicator"], coded=chosen is not None)
+    floor_too = ("min_entries",) if p["communicator"] != "auto" else ()  # auto's SparDL has it
     schedule = [
-        k for k in ("density_warmup_steps", "density_warmup_start", "min_entries") if k in params
+        k for k in ("density_warmup_steps", "density_warmup_start", *floor_too) if k in params
     ]
     if schedule and p["communicator"] not in SPARSE_ALLREDUCES:
         raise ValueError(
@@ -543,8 +601,61 @@ def refuse_update_exchange(exchange: str, where: str) -> None:
         )
 
 
+def _check_auto(p: dict[str, Any], given: set[str], coded: bool) -> None:
+    """'auto' takes its own keys, SparDL's floor and the dense warm-up; the keys that tune
+    one fixed algorithm (a density, a warm-up of it, a wire, a codec, momentum correction,
+    the optimizer-aware modes) are refused rather than ignored."""
+    if p["communicator"] != "auto":
+        own = sorted(given & set(AUTO_KEYS))
+        if own:
+            raise ValueError(
+                f"{', '.join(own)} configure communicator 'auto'; communicator "
+                f"{p['communicator']!r} has none"
+            )
+        return
+    parse_candidates(p["auto_candidates"])
+    fixed = sorted(
+        given
+        & {
+            "compress_ratio",
+            "density",
+            "density_warmup_steps",
+            "density_warmup_start",
+            "teams",
+            "momentum_correction",
+            "adam_freeze_step",
+        }
+    )
+    if fixed:
+        raise ValueError(
+            f"communicator 'auto' chooses the density itself, so it takes no {', '.join(fixed)}: "
+            "name its choices in 'auto_candidates' (or choose a communicator such as 'spardl')"
+        )
+    if p["exchange"] != "gradient":
+        raise ValueError(
+            "communicator 'auto' synchronises gradients: leave 'exchange' at 'gradient'"
+        )
+    if coded:
+        raise ValueError(
+            "communicator 'auto' sends SparDL on the compact wire: choose no payload codec "
+            "(DeepReduce: 'deepreduce': None)"
+        )
+    if p["memory"] not in SPARSE_MEMORIES:
+        raise ValueError(
+            f"communicator 'auto' needs memory in {sorted(SPARSE_MEMORIES)} (the candidates "
+            f"share it; 'global_residual' keeps SparDL's residuals), got {p['memory']!r}"
+        )
+    if p["compressor"] not in IGNORED_COMPRESSORS["auto"]:
+        raise ValueError(
+            f"communicator 'auto' chooses its compression itself: use compressor 'none' "
+            f"(or 'topk', ignored), got {p['compressor']!r}"
+        )
+
+
 def _check_combination(p: dict[str, Any], coded: bool) -> None:
     comp, mem, comm = p["compressor"], p["memory"], p["communicator"]
+    if comm == "auto":
+        return
     for key in ("momentum_correction", "local_clip_norm"):
         if p[key] and (comm not in SPARSE_COMMUNICATORS or mem not in DGC_TECHNIQUE_MEMORIES):
             raise ValueError(

@@ -40,6 +40,8 @@ ALGORITHMS: dict[str, list[str]] = {
     "powersgd1": ["--compression", "--compressor", "torch_powersgd", "--powersgd-rank", "1"],
     "powersgd4": ["--compression", "--compressor", "torch_powersgd", "--powersgd-rank", "4"],
     "dense": [],  # this library's dense DistributedOptimizer
+    # the library's own choice among dense, 16-bit dense and SparDL densities
+    "auto": ["--compression", "--compressor", "auto"],
     **{name: ["--compression", "--compressor", name]
        for name in ("spardl", "topka", "topkdsa", "gtopk", "oktopk")},
     "spardl_d2": ["--compression", "--compressor", "spardl", "--teams", "2"],

@@ -42,7 +42,7 @@ def test_bools_floats_and_out_of_range_values_are_refused(key, value):
 def test_the_communicators_are_the_declared_algorithms():
     assert registry.COMMUNICATORS == sorted(registry.ALGORITHMS)
     families = {a.family for a in registry.ALGORITHMS.values()}
-    assert families == {"grace", "sparse", "dense"}
+    assert families == {"grace", "sparse", "dense", "auto"}
     assert set(registry.SPARSE_ALLREDUCES) == {"spardl", "topka", "gaussiank", "topkdsa",
                                                "gtopk", "oktopk"}
 

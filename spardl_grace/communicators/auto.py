@@ -1,0 +1,418 @@
+"""'communicator': 'auto': the library picks the compression for the user's link and model.
+
+Its first `measure_steps` steps are synchronised dense (float32), and it measures what a step
+spends outside synchronisation (compute). Then every rank probes the link on the library's
+own channel (point-to-point messages and all-reduces of a few sizes, spardl_grace.planner's
+fit) and times SparDL's local selection at each candidate density; rank 0 predicts each
+candidate's step (spardl_grace.planner), picks the least compression within `budget` of the
+fastest, and broadcasts the plan, so every rank takes rank 0's decision (the ranks' agreement
+checks it with the rest of the settings on the next step). The plan is in last_stats on each
+step's first tensor (what the integrations sum once a step) and in one log line of the
+'spardl_grace.auto' logger on rank 0.
+
+Every `replan_window` steps the ranks take rank 0's median measured synchronisation of the
+window against the plan's prediction; when they differ by more than `replan_tolerance` (the
+link changed, or the model was wrong for this machine), it probes and plans again, with the
+measured ratio kept as that candidate's correction. The candidates share one memory, so the
+residuals carry over a change of plan (a dense step sends them all). Its state (plan, link,
+measurements, corrections, SparDL's counters) is checkpointed with the memory.
+
+A step is recognised without help from the caller: it begins where a tensor name comes again,
+so every integration (DistributedOptimizer, the DDP hook, GRACE's own loop) gets the same
+schedule, on every rank alike (they synchronise the same names in the same order).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..api import DEFAULT_MIN_ENTRIES, Memory, Synchronizer
+from ..compact import CompactCodec
+from ..planner import (
+    DEFAULT_CANDIDATES,
+    NO_LINK,
+    Candidate,
+    Fit,
+    Link,
+    choose,
+    parse_candidates,
+    sync_bytes,
+    sync_seconds,
+)
+from ..selection import count_for_ratio, topk_abs
+from ..transport import Transport
+from .dense import Dense, Dense16
+from .spardl import SparDL
+
+LOG = logging.getLogger("spardl_grace.auto")
+
+#: bytes of the link probes: point-to-point ring messages and all-reduces
+PROBE_P2P_BYTES = (1 << 10, 1 << 16, 1 << 20)
+PROBE_ALLREDUCE_BYTES = (1 << 12, 1 << 18, 1 << 21)
+PROBE_REPEATS = 3
+#: entries of the tensor SparDL's selection is timed on (at most)
+SELECTION_PROBE_NUMEL = 1 << 21
+#: a measured correction stays within these factors of the model
+CORRECTION_RANGE = (0.25, 8.0)
+
+
+def _median_seconds(run: Any, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def probe_link(transport: Transport, device: torch.device, name: str) -> Link:
+    """Fit the link from timed ring messages (each rank sends to the next, receives from the
+    previous) and all-reduces of PROBE_*_BYTES; every rank must call it at the same point.
+    Each rank fits its own timings (rank 0's are what the plan uses)."""
+    if transport.size == 1:
+        return NO_LINK
+    dst, src = (transport.rank + 1) % transport.size, (transport.rank - 1) % transport.size
+    p2p, allreduce = [], []
+    for nbytes in PROBE_P2P_BYTES:
+        message = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        tag = f"{name}.p2p.{nbytes}"
+        transport.sendrecv(message, dst, src, tag, recv_numel=nbytes)  # pays any set-up
+        seconds = _median_seconds(
+            lambda m=message, t=tag, n=nbytes: transport.sendrecv(m, dst, src, t, recv_numel=n),
+            PROBE_REPEATS,
+            device,
+        )
+        p2p.append((float(nbytes), seconds))
+    for nbytes in PROBE_ALLREDUCE_BYTES:
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        tag = f"{name}.allreduce.{nbytes}"
+        transport.allreduce(tensor, tag)
+        seconds = _median_seconds(
+            lambda x=tensor, t=tag: transport.allreduce(x, t), PROBE_REPEATS, device
+        )
+        sent = 2 * nbytes * (transport.size - 1) // transport.size
+        allreduce.append((float(sent), seconds))
+    return Link(Fit.least_squares(p2p), Fit.least_squares(allreduce))
+
+
+def selection_seconds_per_entry(
+    densities: Sequence[float], numel: int, device: torch.device
+) -> list[float]:
+    """Seconds per entry of SparDL's top-k selection at each density, timed here on a
+    tensor of min(numel, SELECTION_PROBE_NUMEL) random entries."""
+    n = max(1, min(numel, SELECTION_PROBE_NUMEL))
+    sample = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+    return [
+        _median_seconds(lambda d=d: topk_abs(sample, count_for_ratio(n, d)), 3, device) / n
+        for d in densities
+    ]
+
+
+class Auto(Synchronizer):
+    """The 'auto' communicator (see the module docstring). memory: the error feedback the
+    candidates share ('global_residual' keeps SparDL's residuals); candidates: names of
+    spardl_grace.planner (DEFAULT_CANDIDATES); budget: how much slower than the fastest
+    predicted step a less compressed candidate may be (0.05); measure_steps: dense steps
+    measured before the first plan; replan_window: steps between checks of the plan (0:
+    never re-plan); replan_tolerance: how far measured synchronisation may stray from the
+    plan's before it re-plans; min_entries: SparDL's floor (SparseAllreduce.set_min_entries)."""
+
+    def __init__(
+        self,
+        memory: Memory,
+        transport: Transport | int | None = None,
+        candidates: Sequence[str] = DEFAULT_CANDIDATES,
+        budget: float = 0.05,
+        measure_steps: int = 10,
+        replan_window: int = 20,
+        replan_tolerance: float = 0.25,
+        min_entries: int = DEFAULT_MIN_ENTRIES,
+    ):
+        super().__init__(memory, transport)
+        self._candidates: tuple[Candidate, ...] = parse_candidates(list(candidates))
+        if not 0 < budget <= 1:
+            raise ValueError(f"auto_budget must be in (0, 1], got {budget!r}")
+        if (
+            isinstance(measure_steps, bool)
+            or not isinstance(measure_steps, int)
+            or measure_steps < 2
+        ):
+            raise ValueError(f"auto_measure_steps must be an int >= 2, got {measure_steps!r}")
+        if (
+            isinstance(replan_window, bool)
+            or not isinstance(replan_window, int)
+            or replan_window < 0
+        ):
+            raise ValueError(f"auto_replan_window must be an int >= 0, got {replan_window!r}")
+        if not replan_tolerance > 0:
+            raise ValueError(f"auto_replan_tolerance must be > 0, got {replan_tolerance!r}")
+        self.candidates = ",".join(c.name for c in self._candidates)
+        self.budget = float(budget)
+        self.measure_steps = measure_steps
+        self.replan_window = replan_window
+        self.replan_tolerance = float(replan_tolerance)
+        self.min_entries = min_entries
+        #: the candidate in use (dense while measuring); part of the ranks' fingerprint
+        self.choice = "dense"
+        self._dense = Dense(memory, self.transport)
+        self._dense16 = Dense16(memory, self.transport)
+        self._sparse = SparDL(memory, self.transport, 0.01, codec=CompactCodec())
+        self._sparse.set_min_entries(min_entries)
+        self._steps = 0
+        self._plan: dict[str, Any] = {}
+        self._compute: list[float] = []  # the latest steps' time outside synchronisation
+        self._window: list[float] = []  # synchronisation seconds per step since the plan
+        self._last_measured = 0.0
+        self._corrections: dict[str, float] = {}
+        self._replans = 0
+        self._seen: set[str] = set()
+        self._numels: dict[str, int] = {}  # this step's tensors
+        self._last_numels: dict[str, int] = {}  # the last whole step's
+        self._step_start: float | None = None
+        self._step_sync = 0.0
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """The current plan (empty while measuring): 'choice', 'compute_s', the link
+        ('p2p_alpha_s', 'p2p_beta_s_per_byte', 'allreduce_alpha_s',
+        'allreduce_beta_s_per_byte', 'link_gbit_per_s'), each candidate's 'predicted_step_s',
+        'predicted_sync_s' and 'sent_bytes' by name, and the step it was made at."""
+        return dict(self._plan)
+
+    def _inner(self) -> Synchronizer:
+        return {"dense": self._dense, "dense16": self._dense16}.get(self.choice, self._sparse)
+
+    def synchronize(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The current candidate's synchronisation of `tensor`; at the first tensor of a
+        step, the plan is made or checked first (a collective every rank takes there)."""
+        now = time.perf_counter()
+        if name in self._seen:
+            self._close_step(now)
+        first = not self._seen
+        if first:
+            self._step_start = now if self._step_start is None else self._step_start
+            self._plan_or_check(tensor.device)
+        self._seen.add(name)
+        self._numels[name] = tensor.numel()
+        self.agree(tensor, name)
+        start = time.perf_counter()
+        inner = self._inner()
+        inner.reuse_results = self.reuse_results
+        result = inner.synchronize(tensor, name)
+        self._step_sync += time.perf_counter() - start
+        self.last_stats = {**inner.last_stats, **(self._decision_stats() if first else {})}
+        return result
+
+    def _close_step(self, now: float) -> None:
+        # The first step after a start pays one-time costs (agreement, buffers): not measured.
+        if self._step_start is not None and self._steps >= 1:
+            self._compute.append(max(now - self._step_start - self._step_sync, 0.0))
+            del self._compute[: -max(self.measure_steps, self.replan_window)]
+            if self.replan_window or not self._plan:
+                self._window.append(self._step_sync)
+        self._steps += 1
+        self._step_start, self._step_sync = now, 0.0
+        self._last_numels, self._numels = self._numels, {}
+        self._seen = set()
+
+    def _plan_or_check(self, device: torch.device) -> None:
+        if not self._plan:
+            if self._steps >= self.measure_steps:
+                self._replan(device, measured_dense=True)
+            return
+        if self.replan_window and len(self._window) >= self.replan_window:
+            ratio = self._measured_ratio(device)
+            self._window = []
+            if abs(ratio - 1) > self.replan_tolerance:
+                self._replan(device, measured_dense=False, ratio=ratio)
+
+    def _measured_ratio(self, device: torch.device) -> float:
+        """Rank 0's median synchronisation over the window against the plan's prediction,
+        the same on every rank."""
+        predicted = self._plan["predicted_sync_s"][self.choice]
+        measured = statistics.median(self._window)
+        ratio = measured / predicted if predicted > 0 else 1.0
+        shared = torch.tensor([ratio, measured], dtype=torch.float64)
+        shared = self.transport.broadcast(shared.to(device), 0, "auto.check").cpu()
+        self._last_measured = float(shared[1])
+        return float(shared[0])
+
+    def _replan(self, device: torch.device, measured_dense: bool, ratio: float = 1.0) -> None:
+        """Probe, predict on rank 0, take rank 0's plan on every rank, switch to its choice."""
+        link = probe_link(self.transport, device, "auto.probe")
+        sparse = [c for c in self._candidates if c.kind == "spardl"]
+        numels = list(self._last_numels.values())
+        select = selection_seconds_per_entry(
+            [c.density for c in sparse], max(numels, default=1), device
+        )
+        select_of = {c.name: s for c, s in zip(sparse, select)}
+        compute = statistics.median(self._compute) if self._compute else 0.0
+        corrections = dict(self._corrections)
+        size = self.transport.size
+        model = {
+            c.name: sync_seconds(
+                c, numels, size, link, select_of.get(c.name, 0.0), self.min_entries
+            )
+            for c in self._candidates
+        }
+        dense = sync_seconds(Candidate("dense", "dense"), numels, size, link)
+        if measured_dense and self._window and dense > 0:
+            # The measured steps ran dense: their all-reduces calibrate the dense candidates.
+            factor = _clamped(statistics.median(self._window) / dense)
+            corrections.update({c.name: factor for c in self._candidates if c.kind != "spardl"})
+        elif not measured_dense and model.get(self.choice, 0) > 0:
+            corrections[self.choice] = _clamped(self._last_measured / model[self.choice])
+        sync = {n: model[n] * corrections.get(n, 1.0) for n in model}
+        sent = {c.name: sync_bytes(c, numels, size, self.min_entries) for c in self._candidates}
+        steps = [compute + sync[c.name] for c in self._candidates]
+        index = choose(steps, [sent[c.name] for c in self._candidates], self.budget)
+        mine = torch.tensor(
+            [
+                index,
+                compute,
+                link.p2p.alpha,
+                link.p2p.beta,
+                link.allreduce.alpha,
+                link.allreduce.beta,
+                *(sync[c.name] for c in self._candidates),
+                *(corrections.get(c.name, 1.0) for c in self._candidates),
+            ],
+            dtype=torch.float64,
+        )
+        plan = self.transport.broadcast(mine.to(device), 0, "auto.plan").cpu().tolist()
+        self._adopt(plan, sent, ratio)
+        self._window = []
+
+    def _adopt(self, vector: list[float], sent: dict[str, float], ratio: float) -> None:
+        """Take rank 0's plan `vector` (see _replan) as this rank's plan and switch to it."""
+        count = len(self._candidates)
+        names = [c.name for c in self._candidates]
+        index, compute = int(vector[0]), vector[1]
+        sync = dict(zip(names, vector[6 : 6 + count]))
+        self._corrections = {
+            n: f for n, f in zip(names, vector[6 + count : 6 + 2 * count]) if f != 1.0
+        }
+        link = Link(Fit(vector[2], vector[3]), Fit(vector[4], vector[5]))
+        chosen = self._candidates[index]
+        if self._plan:
+            self._replans += 1
+        self._plan = {
+            "choice": chosen.name,
+            "step": self._steps,
+            "compute_s": compute,
+            "p2p_alpha_s": link.p2p.alpha,
+            "p2p_beta_s_per_byte": link.p2p.beta,
+            "allreduce_alpha_s": link.allreduce.alpha,
+            "allreduce_beta_s_per_byte": link.allreduce.beta,
+            "link_gbit_per_s": link.gbit_per_s,
+            "predicted_sync_s": sync,
+            "predicted_step_s": {n: compute + s for n, s in sync.items()},
+            "sent_bytes": sent,
+            "replans": self._replans,
+            "measured_ratio": ratio,
+        }
+        self.choice = chosen.name
+        if chosen.kind == "spardl":
+            self._sparse.set_density(chosen.density)
+        if self.transport.rank == 0:
+            LOG.info("%s", self.describe())
+
+    def describe(self) -> str:
+        """The plan in one line: the choice, each candidate's predicted step, the link and
+        the compute time (what rank 0 logs when it plans)."""
+        if not self._plan:
+            return f"auto: measuring ({self._steps} of {self.measure_steps} dense steps)"
+        p = self._plan
+        steps = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in p["predicted_step_s"].items())
+        return (
+            f"auto: chose {p['choice']} at step {p['step']} (plan {p['replans'] + 1}); "
+            f"predicted steps: {steps}; link {p['link_gbit_per_s']:.3g} Gbit/s, "
+            f"{p['p2p_alpha_s'] * 1e6:.0f} us a message; compute {p['compute_s'] * 1e3:.1f} ms"
+        )
+
+    def _decision_stats(self) -> dict[str, float]:
+        """The plan as numbers for last_stats (once a step: the integrations sum a step's
+        tensors' statistics): auto_choice is the chosen candidate's index in the candidates
+        (-1 while measuring, dense), auto_density its density."""
+        if not self._plan:
+            return {"auto_choice": -1.0, "auto_density": 1.0, "auto_replans": 0.0}
+        names = [c.name for c in self._candidates]
+        stats = {
+            "auto_choice": float(names.index(self.choice)),
+            "auto_density": self._candidates[names.index(self.choice)].density,
+            "auto_replans": float(self._replans),
+        }
+        if self._plan:
+            stats["auto_predicted_step_s"] = self._plan["predicted_step_s"][self.choice]
+            stats["auto_compute_s"] = self._plan["compute_s"]
+            stats["auto_link_gbit_per_s"] = self._plan["link_gbit_per_s"]
+        return stats
+
+    def result_is_finite(self, result: torch.Tensor, name: str) -> bool:
+        return self._inner().result_is_finite(result, name)
+
+    def set_density(self, density: float) -> None:
+        raise ValueError(
+            "communicator 'auto' chooses the density itself; give its candidates "
+            "('auto_candidates') instead, or choose a communicator such as 'spardl'"
+        )
+
+    def _own_state(self) -> dict[str, Any]:
+        return {
+            "choice": self.choice,
+            "steps": self._steps,
+            "plan": _plain(self._plan),
+            "compute": list(self._compute),
+            "window": list(self._window),
+            "corrections": dict(self._corrections),
+            "replans": self._replans,
+            "numels": dict(self._last_numels),
+            "spardl": self._sparse._own_state(),
+        }
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        choice = state["choice"]
+        if choice not in {c.name for c in self._candidates}:
+            raise ValueError(
+                f"the checkpoint's 'auto' choice {choice!r} is not among this run's "
+                f"candidates ({self.candidates})"
+            )
+        self._steps = int(state["steps"])
+        self._plan = {
+            k: (float("inf") if k == "link_gbit_per_s" and v is None else v)
+            for k, v in state["plan"].items()
+        }
+        self._compute = list(state["compute"])
+        self._window = list(state["window"])
+        self._corrections = dict(state["corrections"])
+        self._replans = int(state["replans"])
+        self._sparse._load_own_state(state["spardl"])
+        self.choice = choice
+        chosen = next(c for c in self._candidates if c.name == choice)
+        if chosen.kind == "spardl":
+            self._sparse.set_density(chosen.density)
+        self._seen, self._step_start, self._step_sync = set(), None, 0.0
+        self._numels, self._last_numels = {}, dict(state["numels"])
+
+
+def _clamped(factor: float) -> float:
+    low, high = CORRECTION_RANGE
+    return min(high, max(low, factor))
+
+
+def _plain(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan with infinities as None, so it loads with torch.load(weights_only=True) and
+    reads as JSON."""
+    return {k: (None if isinstance(v, float) and v == float("inf") else v) for k, v in plan.items()}
