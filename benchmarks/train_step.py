@@ -152,10 +152,13 @@ def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Pa
                              f"(the skipped steps or its start, {period - 1}, then a whole "
                              f"period timed and counted)")
         times = [statistics.fmean(times[-whole:])]
-    payload = _payload(read_log(out)["eval"], period)
+    log = read_log(out)
+    payload = _payload(log["eval"], period)
+    plan = {k: v for k, v in log["step"][-1].items() if k.startswith("auto_")}
     wire_s = payload * 8 / rate_bits_per_s(rate) if rate else None
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
-            "bytes_per_step": payload, "wire_s_of_bytes": wire_s}
+            "step_times": times, "bytes_per_step": payload, "wire_s_of_bytes": wire_s,
+            **({"auto_plan": plan} if plan else {})}
 
 
 def _payload(evals: list[dict[str, Any]], period: int) -> float:

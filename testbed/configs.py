@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from spardl_grace.api import DEFAULT_MIN_ENTRIES
+from spardl_grace.planner import DEFAULT_CANDIDATES
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -42,6 +43,11 @@ ALGORITHMS: dict[str, list[str]] = {
     "dense": [],  # this library's dense DistributedOptimizer
     # the library's own choice among dense, 16-bit dense and SparDL densities
     "auto": ["--compression", "--compressor", "auto"],
+    # each of auto's candidates alone, on auto's own path (its measured dense steps, then that
+    # candidate): the fixed choices auto is measured against
+    **{f"fixed_{c}": ["--grace-config", repr({"communicator": "auto", "memory": "global_residual",
+                                              "auto_candidates": [c], "auto_replan_window": 0})]
+       for c in DEFAULT_CANDIDATES},
     **{name: ["--compression", "--compressor", name]
        for name in ("spardl", "topka", "topkdsa", "gtopk", "oktopk")},
     "spardl_d2": ["--compression", "--compressor", "spardl", "--teams", "2"],

@@ -315,3 +315,16 @@ def momentum_taken_over(transport) -> dict:
         out[f"{case}_group"] = (optimizer.param_groups[0]["momentum"],
                                 optimizer.param_groups[0]["weight_decay"])
     return out
+
+
+def auto_between_replicas(transport) -> dict:
+    """hybrid_shard with 'communicator': 'auto' (2 measured dense steps, then its plan):
+    the parameter shards after 6 SGD steps, and what auto chose."""
+    from spardl_grace.fsdp import hybrid_shard
+    model = _model()
+    sync = hybrid_shard(model, _mesh(), {"communicator": "auto", "memory": "global_residual",
+                                         "auto_measure_steps": 2, "auto_replan_window": 0,
+                                         "min_entries": 0})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(model, optimizer, transport.rank, range(6))
+    return {"params": _shards(model), "choice": sync.grace.choice, "plan": sync.grace.plan}

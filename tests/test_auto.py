@@ -374,3 +374,35 @@ def test_auto_under_torchrun_with_the_optimizer_and_the_ddp_hook(launch):
     assert a["hook_choice"] == b["hook_choice"] in DEFAULT_CANDIDATES
     assert a["hook_stats"]["compression/auto_choice"] == DEFAULT_CANDIDATES.index(a["hook_choice"])
     assert math.isfinite(a["hook_stats"]["compression/auto_predicted_step_s"])
+
+
+def test_the_check_of_auto_against_the_fixed_choices_names_each_verdict():
+    from benchmarks.auto_check import check, table
+
+    def row(times, choice=None):
+        return {"step_times": times, **({"auto_plan": {"auto_choice": choice}} if choice else {})}
+
+    steady = [1.0, 1.01, 0.99, 1.0, 1.02, 0.98]
+    result = {"networks": {
+        "met": {"auto": row([t * 1.0 for t in steady], 2), "fixed_dense": row(steady),
+                "fixed_spardl@0.01": row([t * 2 for t in steady])},
+        "missed": {"auto": row([t * 1.3 for t in steady], 4), "fixed_dense": row(steady)},
+        "undecided": {"auto": row([1.0, 1.2, 0.9, 1.1], 1), "fixed_dense": row(steady)},
+    }}
+    checked = check(result, 1.05)
+    assert checked["met"]["within_target"] == "met"
+    assert checked["met"]["fastest_fixed"] == "fixed_dense"
+    assert checked["met"]["auto_chose"] == DEFAULT_CANDIDATES[2]
+    assert checked["missed"]["within_target"] == "missed"
+    assert checked["missed"]["versus_fastest"] == "slower"
+    assert checked["undecided"]["within_target"] == "undecided"
+    assert checked["undecided"]["versus_fastest"] == "level"
+    assert table(checked).count("\n") == 4
+
+
+def test_auto_between_fsdp2_replicas_keeps_them_identical(launch):
+    per_rank = launch("gloo", 4, "fsdp_scenarios.auto_between_replicas")
+    for shard in (0, 1):
+        a, b = per_rank[shard], per_rank[2 + shard]  # the two replicas of one shard
+        assert a["choice"] == b["choice"] in DEFAULT_CANDIDATES and a["plan"] == b["plan"]
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
