@@ -43,10 +43,11 @@ ALGORITHMS: dict[str, list[str]] = {
     "dense": [],  # this library's dense DistributedOptimizer
     # the library's own choice among dense, 16-bit dense and SparDL densities
     "auto": ["--compression", "--compressor", "auto"],
-    # each of auto's candidates alone, on auto's own path (its measured dense steps, then that
-    # candidate): the fixed choices auto is measured against
+    # each of auto's candidates alone, on auto's own path (2 dense steps, then that candidate
+    # for good): the fixed choices auto is measured against
     **{f"fixed_{c}": ["--grace-config", repr({"communicator": "auto", "memory": "global_residual",
-                                              "auto_candidates": [c], "auto_replan_window": 0})]
+                                              "auto_candidates": [c], "auto_measure_steps": 2,
+                                              "auto_replan_window": 0})]
        for c in DEFAULT_CANDIDATES},
     **{name: ["--compression", "--compressor", name]
        for name in ("spardl", "topka", "topkdsa", "gtopk", "oktopk")},

@@ -386,7 +386,8 @@ def test_the_check_of_auto_against_the_fixed_choices_names_each_verdict():
     result = {"networks": {
         "met": {"auto": row([t * 1.0 for t in steady], 2), "fixed_dense": row(steady),
                 "fixed_spardl@0.01": row([t * 2 for t in steady])},
-        "missed": {"auto": row([t * 1.3 for t in steady], 4), "fixed_dense": row(steady)},
+        "missed": {"auto": row([t * 1.3 for t in steady], 4), "fixed_dense": row(steady),
+                   "ddp": row([t * 1.3 for t in steady])},
         "undecided": {"auto": row([1.0, 1.2, 0.9, 1.1], 1), "fixed_dense": row(steady)},
     }}
     checked = check(result, 1.05)
@@ -397,7 +398,11 @@ def test_the_check_of_auto_against_the_fixed_choices_names_each_verdict():
     assert checked["missed"]["versus_fastest"] == "slower"
     assert checked["undecided"]["within_target"] == "undecided"
     assert checked["undecided"]["versus_fastest"] == "level"
-    assert table(checked).count("\n") == 4
+    assert checked["missed"]["baselines"]["ddp"]["auto_is"] == "level"
+    assert checked["met"]["baselines"] == {}
+    assert table(checked).count("\n") == 10
+    with pytest.raises(ValueError, match="no fixed_CANDIDATE"):
+        check({"networks": {"x": {"auto": row(steady), "ddp": row(steady)}}})
 
 
 def test_auto_between_fsdp2_replicas_keeps_them_identical(launch):
