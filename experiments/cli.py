@@ -288,6 +288,9 @@ def _run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth", default=None,
                    help="run the --nworkers workers on an emulated network whose links are "
                         "shaped to this rate, e.g. 100mbit, 1gbit (root only)")
+    p.add_argument("--bandwidth-change", default=None, metavar="STEP:RATE",
+                   help="with --bandwidth: every rank reshapes what it sends to RATE at the "
+                        "start of step STEP (a link that changes mid-run)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="evaluate every N steps as well as after each epoch (0: epochs only)")
     p.add_argument("--target-accuracy", type=float, default=None,
@@ -333,6 +336,26 @@ def _check_run(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             rate_bits_per_s(args.bandwidth)
         except ValueError as exc:
             p.error(f"--bandwidth: {exc}")
+    if args.bandwidth_change is not None:
+        args.bandwidth_change = _bandwidth_change(args, p)
+
+
+def _bandwidth_change(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[int, str]:
+    """--bandwidth-change STEP:RATE as (step, rate); a usage error when malformed or without
+    --bandwidth (a launcher's own network cannot be reshaped from here)."""
+    from testbed.netem import rate_bits_per_s
+    if isinstance(args.bandwidth_change, (list, tuple)):  # a worker's copy, already parsed
+        return int(args.bandwidth_change[0]), str(args.bandwidth_change[1])
+    step, _, rate = str(args.bandwidth_change).partition(":")
+    try:
+        rate_bits_per_s(rate)
+        if not step.isdigit():
+            raise ValueError(f"STEP must be a step number >= 0, got {step!r}")
+    except ValueError as exc:
+        p.error(f"--bandwidth-change STEP:RATE, e.g. 40:100mbit: {exc}")
+    if args.bandwidth is None and args.config is None:
+        p.error("--bandwidth-change reshapes the emulated network of --bandwidth: give both")
+    return int(step), rate
 
 
 def _check_compression(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:

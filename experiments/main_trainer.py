@@ -31,7 +31,7 @@ from experiments.syncs import build_sync
 from spardl_grace import launch
 from spardl_grace.checkpoint import load_agreed_checkpoint, save_checkpoint
 from spardl_grace.warmup import warmup_density
-from testbed.netem import interface_tx_bytes
+from testbed.netem import interface_tx_bytes, reshape_own_link
 
 # The sparse all-reduces' own split of a sync (seconds); GRACE's loop reports none of them.
 TIME_SPLIT = ("selection_s", "comm_s", "coding_s")
@@ -347,6 +347,8 @@ class Trainer:
             density = warmup_density(step, *self.warmup)
             if not library_warms_up(args):
                 sync.set_density(density)
+        if args.bandwidth_change is not None and step == args.bandwidth_change[0]:
+            reshape_own_link(args.bandwidth_change[1])
         x, y = self.images[batch].to(self.device), self.labels[batch].to(self.device)
         step_start = time.perf_counter()
         sync.optimizer.zero_grad()

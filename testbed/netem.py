@@ -68,6 +68,19 @@ def rank_env(rank: int, size: int, port: int, base: dict[str, str], master: str 
     return env
 
 
+def reshape_own_link(rate: str) -> None:
+    """Shape what this process's namespace sends (its gloo interface, GLOO_SOCKET_IFNAME) to
+    `rate` from now on, as EmulatedNetwork shaped it at the start: every rank calling it at
+    the same step makes the emulated link change its rate mid-run. RuntimeError when not on
+    an emulated network (or tc fails)."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not name or not Path(f"/sys/class/net/{name}").exists():
+        raise RuntimeError("not on an emulated network: no GLOO_SOCKET_IFNAME interface here")
+    bits = rate_bits_per_s(rate)
+    _run("tc", "qdisc", "change", "dev", name, "root", "tbf", "rate", rate,
+         "burst", str(burst_bytes(bits)), "latency", "100ms")
+
+
 def interface_tx_bytes() -> int | None:
     """Bytes this process's namespace has sent through its gloo interface (GLOO_SOCKET_IFNAME):
     what crossed the emulated link, headers included. None when not on an emulated network."""

@@ -411,3 +411,18 @@ def test_auto_between_fsdp2_replicas_keeps_them_identical(launch):
         a, b = per_rank[shard], per_rank[2 + shard]  # the two replicas of one shard
         assert a["choice"] == b["choice"] in DEFAULT_CANDIDATES and a["plan"] == b["plan"]
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+def test_a_link_that_changes_mid_run_is_asked_for_as_step_and_rate():
+    from experiments.cli import parse_args
+    from testbed.netem import reshape_own_link
+
+    args = parse_args(["--bandwidth", "1gbit", "--bandwidth-change", "40:100mbit"])
+    assert args.bandwidth_change == (40, "100mbit")
+    for bad in (["--bandwidth", "1gbit", "--bandwidth-change", "x:100mbit"],
+                ["--bandwidth", "1gbit", "--bandwidth-change", "40:fast"],
+                ["--bandwidth-change", "40:100mbit"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    with pytest.raises(RuntimeError, match="not on an emulated network"):
+        reshape_own_link("100mbit")

@@ -52,9 +52,11 @@ from .spardl import SparDL
 
 LOG = logging.getLogger("spardl_grace.auto")
 
-#: bytes of the link probes: point-to-point ring messages and all-reduces
-PROBE_P2P_BYTES = (1 << 10, 1 << 16, 1 << 20)
-PROBE_ALLREDUCE_BYTES = (1 << 12, 1 << 18, 1 << 21)
+#: bytes of the link probes, in the order they run: point-to-point ring messages and
+#: all-reduces; a kind's ladder stops after the first size whose probe took PROBE_BUDGET_S
+PROBE_P2P_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
+PROBE_ALLREDUCE_BYTES = (1 << 12, 1 << 15, 1 << 18, 1 << 21)
+PROBE_BUDGET_S = 0.025
 PROBE_REPEATS = 3
 #: entries of the tensor SparDL's selection is timed on (at most)
 SELECTION_PROBE_NUMEL = 1 << 21
@@ -75,34 +77,54 @@ def _median_seconds(run: Any, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def _ladder(
+    transport: Transport, device: torch.device, name: str, sizes: Sequence[int], op: Any
+) -> list[tuple[float, float]]:
+    """(bytes, median seconds) of op(nbytes, tag) for `sizes` in order, the first run of each
+    untimed (it pays any set-up); after each size the ranks take rank 0's word on whether
+    its probe stayed within PROBE_BUDGET_S, and the ladder stops after the first that did
+    not, so a slow link is probed in a fraction of a second and every rank runs the same
+    probes."""
+    samples = []
+    for i, nbytes in enumerate(sizes):
+        tag = f"{name}.{nbytes}"
+        op(nbytes, tag)
+        seconds = _median_seconds(lambda n=nbytes, t=tag: op(n, t), PROBE_REPEATS, device)
+        samples.append((float(nbytes), seconds))
+        if i + 1 < len(sizes):
+            more = torch.tensor([1 if seconds < PROBE_BUDGET_S else 0], dtype=torch.int32)
+            if not int(transport.broadcast(more.to(device), 0, f"{tag}.more").cpu()[0]):
+                break
+    return samples
+
+
 def probe_link(transport: Transport, device: torch.device, name: str) -> Link:
     """Fit the link from timed ring messages (each rank sends to the next, receives from the
-    previous) and all-reduces of PROBE_*_BYTES; every rank must call it at the same point.
-    Each rank fits its own timings (rank 0's are what the plan uses)."""
+    previous) and all-reduces of rising sizes (PROBE_*_BYTES, while within PROBE_BUDGET_S);
+    every rank must call it at the same point. Each rank fits its own timings (rank 0's are
+    what the plan uses); an all-reduce's bytes are those a rank sends in a ring."""
     if transport.size == 1:
         return NO_LINK
-    dst, src = (transport.rank + 1) % transport.size, (transport.rank - 1) % transport.size
-    p2p, allreduce = [], []
-    for nbytes in PROBE_P2P_BYTES:
-        message = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        tag = f"{name}.p2p.{nbytes}"
-        transport.sendrecv(message, dst, src, tag, recv_numel=nbytes)  # pays any set-up
-        seconds = _median_seconds(
-            lambda m=message, t=tag, n=nbytes: transport.sendrecv(m, dst, src, t, recv_numel=n),
-            PROBE_REPEATS,
-            device,
-        )
-        p2p.append((float(nbytes), seconds))
-    for nbytes in PROBE_ALLREDUCE_BYTES:
-        tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-        tag = f"{name}.allreduce.{nbytes}"
-        transport.allreduce(tensor, tag)
-        seconds = _median_seconds(
-            lambda x=tensor, t=tag: transport.allreduce(x, t), PROBE_REPEATS, device
-        )
-        sent = 2 * nbytes * (transport.size - 1) // transport.size
-        allreduce.append((float(sent), seconds))
-    return Link(Fit.least_squares(p2p), Fit.least_squares(allreduce))
+    size, rank = transport.size, transport.rank
+    dst, src = (rank + 1) % size, (rank - 1) % size
+    messages = {n: torch.zeros(n, dtype=torch.uint8, device=device) for n in PROBE_P2P_BYTES}
+    tensors = {n: torch.zeros(n // 4, device=device) for n in PROBE_ALLREDUCE_BYTES}
+    p2p = _ladder(
+        transport,
+        device,
+        f"{name}.p2p",
+        PROBE_P2P_BYTES,
+        lambda n, tag: transport.sendrecv(messages[n], dst, src, tag, recv_numel=n),
+    )
+    allreduce = _ladder(
+        transport,
+        device,
+        f"{name}.allreduce",
+        PROBE_ALLREDUCE_BYTES,
+        lambda n, tag: transport.allreduce(tensors[n], tag),
+    )
+    sent = [(2 * b * (size - 1) / size, t) for b, t in allreduce]
+    return Link(Fit.least_squares(p2p), Fit.least_squares(sent))
 
 
 def selection_seconds_per_entry(
@@ -189,6 +211,10 @@ class Auto(Synchronizer):
         'predicted_sync_s' and 'sent_bytes' by name, and the step it was made at."""
         return dict(self._plan)
 
+    def _kind(self, name: str) -> str:
+        kind = next(c.kind for c in self._candidates if c.name == name)
+        return "spardl" if kind == "spardl" else "dense"
+
     def _inner(self) -> Synchronizer:
         return {"dense": self._dense, "dense16": self._dense16}.get(self.choice, self._sparse)
 
@@ -271,7 +297,13 @@ class Auto(Synchronizer):
             factor = _clamped(statistics.median(self._window) / dense)
             corrections.update({c.name: factor for c in self._candidates if c.kind != "spardl"})
         elif not measured_dense and model.get(self.choice, 0) > 0:
-            corrections[self.choice] = _clamped(self._last_measured / model[self.choice])
+            # What misled the model for the choice (the link's shape, this machine's
+            # selection) misleads it alike for its family: dense ones, or SparDL's densities.
+            factor = _clamped(self._last_measured / model[self.choice])
+            kind = self._kind(self.choice)
+            corrections.update(
+                {c.name: factor for c in self._candidates if self._kind(c.name) == kind}
+            )
         sync = {n: model[n] * corrections.get(n, 1.0) for n in model}
         sent = {c.name: sync_bytes(c, numels, size, self.min_entries) for c in self._candidates}
         steps = [compute + sync[c.name] for c in self._candidates]
