@@ -1,14 +1,14 @@
 """The README's main job: time to accuracy on an emulated slow network. 4 workers train MnistCNN
 (Keras's MNIST CNN, 1.2M parameters) on Fashion-MNIST with PyTorch's DDP (fp32, and with its
-fp16 compression hook, the dense baseline users run on slow links), PyTorch's own PowerSGD hook
-and SparDL on links shaped to 100 Mbit/s, --repeats times each (seeds --seed, --seed + 1, ...;
-the algorithms take turns, so that a machine's drift falls on all alike). A run
-stops at the evaluation that reaches --target-accuracy, or after --time-budget seconds of
-training. The verdict names the algorithm with the lowest median time to the target only when
-its range (fastest to slowest run) lies wholly below the next one's; otherwise it says they are
-level within noise.
+fp16 compression hook, the dense baseline users run on slow links), PyTorch's own PowerSGD hook,
+SparDL, and the library's own choice ('communicator': 'auto', whose pick each run reports) on
+links shaped to 100 Mbit/s, --repeats times each (seeds --seed, --seed + 1, ...; the algorithms
+take turns, so that a machine's drift falls on all alike). A run stops at the evaluation that
+reaches --target-accuracy, or after --time-budget seconds of training. The verdict names the
+algorithm with the lowest mean time to the target faster than the next only when the 95% Welch
+interval of the difference of their means excludes zero; otherwise it says they are level.
 
-    python -m experiments.compare                    # about 14 minutes on 2 CPU cores
+    python -m experiments.compare                    # about 18 minutes on 2 CPU cores
     python -m experiments.compare --quick            # a reduced run (CI)
     python -m experiments.compare --algorithms ddp,spardl,powersgd1,powersgd4,topka
     python -m experiments.compare --dnn lstmimdb --dataset tweets --target-accuracy 0.65  # text
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from testbed.datasets import DATASETS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algorithms", default="ddp,fp16,powersgd4,spardl",
+    p.add_argument("--algorithms", default="ddp,fp16,powersgd4,spardl,auto",
                    help=f"comma-separated of {', '.join(ALGORITHMS)}")
     p.add_argument("--dnn", default="mnistcnn")
     p.add_argument("--dataset", default="fashion-mnist", choices=sorted(DATASETS),
@@ -130,6 +130,7 @@ def summarise(name: str, out: Path, workers: int, seed: int) -> dict[str, Any]:
     every worker ended with the same parameters, and its accuracy curve."""
     log = read_log(out)
     evals, run = log["eval"], log["run"][0]
+    choice = log["step"][-1].get("auto_choice") if log["step"] else None
     finals = [torch.load(out / f"final-rank{r}.pt", weights_only=True)["params"]
               for r in range(workers)]
     return {"algorithm": name, "label": LABELS[name], "seed": seed,
@@ -143,7 +144,14 @@ def summarise(name: str, out: Path, workers: int, seed: int) -> dict[str, Any]:
             "wire_bytes_per_step_run": run.get("wire_bytes_per_step_run"),
             "dense_bytes_per_step": run["dense_bytes_per_step"], "parameters": run["parameters"],
             "identical_replicas": all(torch.equal(f, finals[0]) for f in finals),
+            "auto_chose": None if choice is None else auto_choice_name(int(choice)),
             "curve": [[e["train_s"], e["test_accuracy"]] for e in evals]}
+
+
+def auto_choice_name(index: int) -> str:
+    """The candidate 'auto' chose, from last_stats' auto_choice (-1: still measuring)."""
+    from spardl_grace.planner import DEFAULT_CANDIDATES
+    return DEFAULT_CANDIDATES[index] if index >= 0 else "none yet (measuring)"
 
 
 def group(runs: list[dict]) -> list[dict]:
@@ -163,37 +171,50 @@ def group(runs: list[dict]) -> list[dict]:
 
 
 def verdict(groups: list[dict], target: float) -> str:
-    """Who reaches the target first, in plain words: a winner only when its slowest run is
-    faster than the next algorithm's fastest (ranges that do not overlap), else 'level within
-    noise'. Algorithms that missed the target in some run rank after those that never did."""
+    """Who reaches the target first, in plain words, by the project's rule: the algorithm with
+    the lowest mean time to the target is named faster than the next only when the 95% Welch
+    interval of the difference of their means excludes zero, else the two are level.
+    Algorithms that missed the target in some run rank after those that never did; 'auto'
+    says what it chose."""
+    from testbed.stats import welch
     ranked = sorted((g for g in groups if g["reached"]),
-                    key=lambda g: (g["reached"] < len(g["runs"]), g["median_s"]))
+                    key=lambda g: (g["reached"] < len(g["runs"]), statistics.fmean(_times(g))))
     if not ranked:
         return f"No run reached test accuracy {target:.2f} within its budget."
 
     def spread(g: dict) -> str:
-        return (f"median {g['median_s']:.1f} s, {g['min_s']:.1f}-{g['max_s']:.1f} over "
-                f"{g['reached']} of {len(g['runs'])} runs")
+        return (f"mean {statistics.fmean(_times(g)):.1f} s, {g['min_s']:.1f}-{g['max_s']:.1f} "
+                f"over {g['reached']} of {len(g['runs'])} runs")
 
     best = ranked[0]
     if len(ranked) == 1:
         line = f"Only {best['label']} reached {target:.2f} ({spread(best)})"
-    elif best["max_s"] < ranked[1]["min_s"] and best["reached"] == len(best["runs"]):
-        nxt = ranked[1]
-        line = (f"{best['label']} reached {target:.2f} first ({spread(best)}); "
-                f"{nxt['label']} took {nxt['median_s'] / best['median_s']:.2f}x as long "
-                f"({spread(nxt)}): the ranges do not overlap")
     else:
         nxt = ranked[1]
-        line = (f"{best['label']} and {nxt['label']} are level within noise in reaching "
-                f"{target:.2f}: {best['label']} {spread(best)}, {nxt['label']} {spread(nxt)}; "
-                "the ranges overlap")
+        interval = welch(_times(nxt), _times(best))
+        if interval is not None and interval.low > 0 and best["reached"] == len(best["runs"]):
+            line = (f"{best['label']} reached {target:.2f} first ({spread(best)}); "
+                    f"{nxt['label']} took {interval.difference:.1f} s longer on average (95% "
+                    f"Welch interval {interval.low:.1f} to {interval.high:.1f} s; {spread(nxt)})")
+        else:
+            what = ("too few runs reached it for an interval" if interval is None else
+                    f"the 95% Welch interval of the difference, {interval.low:.1f} to "
+                    f"{interval.high:.1f} s, includes zero")
+            line = (f"{best['label']} and {nxt['label']} are level in reaching {target:.2f} "
+                    f"({what}): {best['label']} {spread(best)}, {nxt['label']} {spread(nxt)}")
     for g in ranked[2:]:
         line += f"; {g['label']} {spread(g)}"
     missed = [g["label"] for g in groups if not g["reached"]]
     if missed:
         line += f"; {', '.join(missed)} did not reach it within the budget"
+    chose = sorted({r["auto_chose"] for g in groups for r in g["runs"] if r.get("auto_chose")})
+    if chose:
+        line += f". The library's auto chose {', '.join(chose)}"
     return line + "."
+
+
+def _times(g: dict) -> list[float]:
+    return [r["time_to_target_s"] for r in g["runs"] if r["time_to_target_s"] is not None]
 
 
 def plot(groups: list[dict], path: Path, title: str, target: float) -> None:

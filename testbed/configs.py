@@ -103,7 +103,9 @@ LABELS = {"ddp": "PyTorch DDP", "fp16": "DDP fp16 hook", "powersgd1": "PowerSGD 
           "spardl_hook": "SparDL via this library's DDP hook",
           "topka": "TopkA", "topkdsa": "TopkDSA", "gtopk": "gTop-k", "oktopk": "Ok-Topk",
           "spardl_25mb": "SparDL, 25 MB buckets", "spardl_10mb": "SparDL, 10 MB buckets",
-          "spardl_25mb_no_overlap": "SparDL, 25 MB buckets, no overlap"}
+          "spardl_25mb_no_overlap": "SparDL, 25 MB buckets, no overlap",
+          "auto": "auto (the library's choice)",
+          **{f"fixed_{c}": f"{c} alone (auto's path)" for c in DEFAULT_CANDIDATES}}
 
 
 def algorithm_options(name: str, warmup: bool = True) -> list[str]:

@@ -12,12 +12,12 @@ from testbed import records
 
 def test_main_job_quick_compares_ddp_powersgd_and_spardl(tmp_path):
     """The README's main job in its CI size: torch's DDP in fp32 and with its fp16 hook, torch's
-    PowerSGD hook and SparDL on the emulated network (loopback where namespaces cannot be
+    PowerSGD hook, SparDL and the library's auto on the emulated network (loopback where namespaces cannot be
     made), twice each with seeds 0 and 1 in turns, accuracy against training time, a plot with
     bands and a verdict."""
     runs = compare.main(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
-    order = ["ddp", "fp16", "powersgd4", "spardl"]
+    order = ["ddp", "fp16", "powersgd4", "spardl", "auto"]
     assert [(r["algorithm"], r["seed"]) for r in saved["results"]] == [(a, s) for s in (0, 1) for a in order]
     assert [g["algorithm"] for g in saved["summary"]] == order
     assert all(r["identical_replicas"] for r in runs)
@@ -33,6 +33,11 @@ def test_main_job_quick_compares_ddp_powersgd_and_spardl(tmp_path):
     assert first["powersgd4"]["bytes_per_step_final"] < first["ddp"]["bytes_per_step_final"]
     assert first["fp16"]["bytes_per_step_final"] == first["ddp"]["bytes_per_step_final"] / 2
     assert saved["verdict"] == compare.verdict(compare.group(runs), 0.3)
+    # auto measured its 10 dense steps and planned at the 11th: each run says what it chose
+    from spardl_grace.planner import DEFAULT_CANDIDATES
+    assert all(r["auto_chose"] in DEFAULT_CANDIDATES for r in runs if r["algorithm"] == "auto"
+               and r["steps"] > 10)
+    assert all(r["auto_chose"] is None for r in runs if r["algorithm"] != "auto")
     # each run is recorded as one packed file that still gives its curve
     packed = records.open_run(tmp_path / "spardl" / "seed1")
     assert packed.packed and not (tmp_path / "spardl" / "seed1" / "log.jsonl").exists()
@@ -60,23 +65,29 @@ def _runs(**times) -> list[dict]:
             for name, ts in times.items() for t in ts]
 
 
-def test_verdict_names_a_winner_only_when_the_ranges_do_not_overlap():
+def test_verdict_names_a_winner_only_when_welchs_interval_excludes_zero():
     won = compare.group(_runs(SparDL=[20.0, 21.0, 22.0], PowerSGD=[25.0, 26.0, 30.0],
                               DDP=[None, None, None]))
-    assert compare.verdict(won, 0.8) == (
-        "SparDL reached 0.80 first (median 21.0 s, 20.0-22.0 over 3 of 3 runs); PowerSGD took "
-        "1.24x as long (median 26.0 s, 25.0-30.0 over 3 of 3 runs): the ranges do not overlap; "
-        "DDP did not reach it within the budget.")
+    said = compare.verdict(won, 0.8)
+    # means 21 and 27: difference 6 s, Welch's 95% interval 0.3 to 11.7 s (2.6 degrees of freedom)
+    assert said == (
+        "SparDL reached 0.80 first (mean 21.0 s, 20.0-22.0 over 3 of 3 runs); PowerSGD took "
+        "6.0 s longer on average (95% Welch interval 0.3 to 11.7 s; mean 27.0 s, 25.0-30.0 over "
+        "3 of 3 runs); DDP did not reach it within the budget.")
+    # ranges that do not overlap are not enough: one more slow PowerSGD run widens the interval
+    wide = compare.group(_runs(SparDL=[20.0, 21.0, 22.0], PowerSGD=[23.0, 24.0, 40.0]))
+    assert compare.verdict(wide, 0.8).startswith(
+        "SparDL and PowerSGD are level in reaching 0.80 (the 95% Welch interval of the "
+        "difference, ")
     level = compare.group(_runs(SparDL=[20.0, 24.0, 27.0], PowerSGD=[22.0, 25.0, 26.0]))
-    assert compare.verdict(level, 0.8) == (
-        "SparDL and PowerSGD are level within noise in reaching 0.80: SparDL median 24.0 s, "
-        "20.0-27.0 over 3 of 3 runs, PowerSGD median 25.0 s, 22.0-26.0 over 3 of 3 runs; the "
-        "ranges overlap.")
+    assert "are level in reaching 0.80" in compare.verdict(level, 0.8)
     # A run that missed the target ranks its algorithm after those that always reached it.
     missed = compare.group(_runs(PowerSGD=[10.0, None, 11.0], SparDL=[20.0, 21.0, 22.0]))
-    assert compare.verdict(missed, 0.8).startswith("SparDL and PowerSGD are level within noise")
+    assert compare.verdict(missed, 0.8).startswith("SparDL and PowerSGD are level")
     assert compare.verdict(compare.group(_runs(DDP=[None])), 0.8) == \
         "No run reached test accuracy 0.80 within its budget."
+    auto = compare.group([{**r, "auto_chose": "spardl@0.01"} for r in _runs(auto=[20.0, 21.0])])
+    assert compare.verdict(auto, 0.8).endswith("The library's auto chose spardl@0.01.")
 
 
 def test_main_job_names_the_valid_algorithms(capsys):
