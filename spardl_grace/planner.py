@@ -120,10 +120,13 @@ class Fit:
 @dataclass(frozen=True)
 class Link:
     """The link as the library's own channel measured it: point-to-point messages (SparDL's)
-    and all-reduces (the dense candidates', alpha per call, beta per byte a rank sends)."""
+    and all-reduces of float32 (dense's) and of bfloat16 (dense16's; where not measured, as
+    float32's), alpha per call and beta per byte a rank sends: a backend may sum 16-bit types
+    at another speed than float32."""
 
     p2p: Fit
     allreduce: Fit
+    allreduce16: Fit | None = None
 
     @property
     def gbit_per_s(self) -> float:
@@ -174,22 +177,24 @@ def sync_seconds(
     numels: Sequence[int],
     size: int,
     link: Link,
-    select_s_per_entry: float = 0.0,
+    local_s_per_entry: float = 0.0,
     min_entries: int = 0,
 ) -> float:
     """Predicted seconds one step of `candidate` spends synchronising tensors of `numels`
-    over `link` (before any measured correction); select_s_per_entry: SparDL's local
-    selection per entry at the candidate's density."""
+    over `link` (before any measured correction); local_s_per_entry: the candidate's own work
+    per entry on this rank (SparDL's selection at its density, dense16's casts)."""
     if size == 1:
         return 0.0
-    if candidate.kind != "spardl":
-        width = 4 if candidate.kind == "dense" else 2
-        return sum(link.allreduce.seconds(ring_allreduce_bytes(width * n, size)) for n in numels)
-    total = 0.0
+    local = local_s_per_entry * sum(numels)
+    if candidate.kind == "dense":
+        return sum(link.allreduce.seconds(ring_allreduce_bytes(4 * n, size)) for n in numels)
+    if candidate.kind == "dense16":
+        fit = link.allreduce16 or link.allreduce
+        return local + sum(fit.seconds(ring_allreduce_bytes(2 * n, size)) for n in numels)
+    total = local
     for n in numels:
         density = floored_density(candidate.density, n, min_entries)
         total += sum(link.p2p.seconds(b) for b in _spardl_messages(n, size, density))
-        total += select_s_per_entry * n
     return total
 
 

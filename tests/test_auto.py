@@ -94,6 +94,17 @@ def test_the_choice_on_synthetic_link_and_compute_figures(compute, gbit, select,
     assert names[choose(steps, sent, 0.05)] == expected
 
 
+def test_dense16s_casts_and_a_slow_16_bit_sum_are_part_of_its_prediction():
+    numels, dense16 = [14_700_000], parse_candidate("dense16")
+    fast = Link(Fit(1e-4, 1e-10), Fit(1e-4, 1e-10))  # 10 Gbit-ish, 16-bit sums as fast
+    dense = sync_seconds(parse_candidate("dense"), numels, 4, fast)
+    assert sync_seconds(dense16, numels, 4, fast) < dense
+    # 10 ns an entry of casts on this machine: 0.15 s a step, more than the bytes it saves
+    assert sync_seconds(dense16, numels, 4, fast, 1e-8) > dense
+    slow_sum = Link(fast.p2p, fast.allreduce, Fit(1e-4, 4e-10))  # bfloat16 summed 4x slower
+    assert sync_seconds(dense16, numels, 4, slow_sum) > dense
+
+
 def test_choose_takes_the_least_compression_within_the_budget_and_refuses_a_bad_budget():
     steps, sent = [1.10, 1.04, 1.00], [100.0, 50.0, 1.0]
     assert choose(steps, sent, 0.05) == 1

@@ -109,6 +109,7 @@ def probe_link(transport: Transport, device: torch.device, name: str) -> Link:
     dst, src = (rank + 1) % size, (rank - 1) % size
     messages = {n: torch.zeros(n, dtype=torch.uint8, device=device) for n in PROBE_P2P_BYTES}
     tensors = {n: torch.zeros(n // 4, device=device) for n in PROBE_ALLREDUCE_BYTES}
+    halves = {n: torch.zeros(n // 2, dtype=torch.bfloat16, device=device) for n in tensors}
     p2p = _ladder(
         transport,
         device,
@@ -123,21 +124,40 @@ def probe_link(transport: Transport, device: torch.device, name: str) -> Link:
         PROBE_ALLREDUCE_BYTES,
         lambda n, tag: transport.allreduce(tensors[n], tag),
     )
-    sent = [(2 * b * (size - 1) / size, t) for b, t in allreduce]
-    return Link(Fit.least_squares(p2p), Fit.least_squares(sent))
+    allreduce16 = _ladder(
+        transport,
+        device,
+        f"{name}.allreduce16",
+        PROBE_ALLREDUCE_BYTES,
+        lambda n, tag: transport.allreduce(halves[n], tag),
+    )
+
+    def fit(samples: list[tuple[float, float]]) -> Fit:
+        return Fit.least_squares([(2 * b * (size - 1) / size, t) for b, t in samples])
+
+    return Link(Fit.least_squares(p2p), fit(allreduce), fit(allreduce16))
 
 
-def selection_seconds_per_entry(
-    densities: Sequence[float], numel: int, device: torch.device
-) -> list[float]:
-    """Seconds per entry of SparDL's top-k selection at each density, timed here on a
-    tensor of min(numel, SELECTION_PROBE_NUMEL) random entries."""
+def local_seconds_per_entry(
+    densities: Sequence[float], numel: int, size: int, device: torch.device
+) -> tuple[list[float], float]:
+    """Seconds per entry of each candidate's own work on a rank, timed here on a tensor of
+    min(numel, SELECTION_PROBE_NUMEL) random entries: SparDL's top-k selection at each of
+    `densities`, and dense16's casts (Dense16.reduce's passes before and after its
+    all-reduce)."""
     n = max(1, min(numel, SELECTION_PROBE_NUMEL))
     sample = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
-    return [
+
+    def casts() -> None:
+        half = (sample / size).to(torch.bfloat16)
+        _ = sample - half.to(sample.dtype) * size
+        _ = half.to(sample.dtype)
+
+    selection = [
         _median_seconds(lambda d=d: topk_abs(sample, count_for_ratio(n, d)), 3, device) / n
         for d in densities
     ]
+    return selection, _median_seconds(casts, 3, device) / n
 
 
 class Auto(Synchronizer):
@@ -207,7 +227,8 @@ class Auto(Synchronizer):
     def plan(self) -> dict[str, Any]:
         """The current plan (empty while measuring): 'choice', 'compute_s', the link
         ('p2p_alpha_s', 'p2p_beta_s_per_byte', 'allreduce_alpha_s',
-        'allreduce_beta_s_per_byte', 'link_gbit_per_s'), each candidate's 'predicted_step_s',
+        'allreduce_beta_s_per_byte', the same of bfloat16's all-reduce 'allreduce16_...',
+        'link_gbit_per_s'), each candidate's 'predicted_step_s',
         'predicted_sync_s' and 'sent_bytes' by name, and the step it was made at."""
         return dict(self._plan)
 
@@ -276,19 +297,18 @@ class Auto(Synchronizer):
     def _replan(self, device: torch.device, measured_dense: bool, ratio: float = 1.0) -> None:
         """Probe, predict on rank 0, take rank 0's plan on every rank, switch to its choice."""
         link = probe_link(self.transport, device, "auto.probe")
+        size = self.transport.size
         sparse = [c for c in self._candidates if c.kind == "spardl"]
         numels = list(self._last_numels.values())
-        select = selection_seconds_per_entry(
-            [c.density for c in sparse], max(numels, default=1), device
+        select, casts = local_seconds_per_entry(
+            [c.density for c in sparse], max(numels, default=1), size, device
         )
-        select_of = {c.name: s for c, s in zip(sparse, select)}
+        local_of = {c.name: s for c, s in zip(sparse, select)}
+        local_of.update({c.name: casts for c in self._candidates if c.kind == "dense16"})
         compute = statistics.median(self._compute) if self._compute else 0.0
         corrections = dict(self._corrections)
-        size = self.transport.size
         model = {
-            c.name: sync_seconds(
-                c, numels, size, link, select_of.get(c.name, 0.0), self.min_entries
-            )
+            c.name: sync_seconds(c, numels, size, link, local_of.get(c.name, 0.0), self.min_entries)
             for c in self._candidates
         }
         dense = sync_seconds(Candidate("dense", "dense"), numels, size, link)
@@ -316,6 +336,10 @@ class Auto(Synchronizer):
                 link.p2p.beta,
                 link.allreduce.alpha,
                 link.allreduce.beta,
+                *(
+                    (link.allreduce16 or link.allreduce).alpha,
+                    (link.allreduce16 or link.allreduce).beta,
+                ),
                 *(sync[c.name] for c in self._candidates),
                 *(corrections.get(c.name, 1.0) for c in self._candidates),
             ],
@@ -330,11 +354,11 @@ class Auto(Synchronizer):
         count = len(self._candidates)
         names = [c.name for c in self._candidates]
         index, compute = int(vector[0]), vector[1]
-        sync = dict(zip(names, vector[6 : 6 + count]))
+        sync = dict(zip(names, vector[8 : 8 + count]))
         self._corrections = {
-            n: f for n, f in zip(names, vector[6 + count : 6 + 2 * count]) if f != 1.0
+            n: f for n, f in zip(names, vector[8 + count : 8 + 2 * count]) if f != 1.0
         }
-        link = Link(Fit(vector[2], vector[3]), Fit(vector[4], vector[5]))
+        link = Link(Fit(vector[2], vector[3]), Fit(vector[4], vector[5]), Fit(vector[6], vector[7]))
         chosen = self._candidates[index]
         if self._plan:
             self._replans += 1
@@ -346,6 +370,8 @@ class Auto(Synchronizer):
             "p2p_beta_s_per_byte": link.p2p.beta,
             "allreduce_alpha_s": link.allreduce.alpha,
             "allreduce_beta_s_per_byte": link.allreduce.beta,
+            "allreduce16_alpha_s": vector[6],
+            "allreduce16_beta_s_per_byte": vector[7],
             "link_gbit_per_s": link.gbit_per_s,
             "predicted_sync_s": sync,
             "predicted_step_s": {n: compute + s for n, s in sync.items()},
