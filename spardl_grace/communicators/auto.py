@@ -110,32 +110,23 @@ def probe_link(transport: Transport, device: torch.device, name: str) -> Link:
     messages = {n: torch.zeros(n, dtype=torch.uint8, device=device) for n in PROBE_P2P_BYTES}
     tensors = {n: torch.zeros(n // 4, device=device) for n in PROBE_ALLREDUCE_BYTES}
     halves = {n: torch.zeros(n // 2, dtype=torch.bfloat16, device=device) for n in tensors}
-    p2p = _ladder(
-        transport,
-        device,
-        f"{name}.p2p",
-        PROBE_P2P_BYTES,
-        lambda n, tag: transport.sendrecv(messages[n], dst, src, tag, recv_numel=n),
-    )
-    allreduce = _ladder(
-        transport,
-        device,
-        f"{name}.allreduce",
-        PROBE_ALLREDUCE_BYTES,
-        lambda n, tag: transport.allreduce(tensors[n], tag),
-    )
-    allreduce16 = _ladder(
-        transport,
-        device,
-        f"{name}.allreduce16",
-        PROBE_ALLREDUCE_BYTES,
-        lambda n, tag: transport.allreduce(halves[n], tag),
-    )
+    ladders = {
+        "p2p": (
+            PROBE_P2P_BYTES,
+            lambda n, tag: transport.sendrecv(messages[n], dst, src, tag, recv_numel=n),
+        ),
+        "allreduce": (PROBE_ALLREDUCE_BYTES, lambda n, tag: transport.allreduce(tensors[n], tag)),
+        "allreduce16": (PROBE_ALLREDUCE_BYTES, lambda n, tag: transport.allreduce(halves[n], tag)),
+    }
+    got = {
+        kind: _ladder(transport, device, f"{name}.{kind}", sizes, op)
+        for kind, (sizes, op) in ladders.items()
+    }
 
     def fit(samples: list[tuple[float, float]]) -> Fit:
         return Fit.least_squares([(2 * b * (size - 1) / size, t) for b, t in samples])
 
-    return Link(Fit.least_squares(p2p), fit(allreduce), fit(allreduce16))
+    return Link(Fit.least_squares(got["p2p"]), fit(got["allreduce"]), fit(got["allreduce16"]))
 
 
 def local_seconds_per_entry(
