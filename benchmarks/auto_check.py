@@ -37,7 +37,6 @@ def check(result: dict[str, Any], target: float = 1.05) -> dict[str, dict[str, A
         if not fixed:
             raise ValueError(f"{network}: no fixed_CANDIDATE rows to compare auto with")
         best = min(fixed, key=lambda n: statistics.fmean(fixed[n]))
-        versus = welch(fixed[best], auto)  # positive: auto faster
         within = welch(auto, [target * t for t in fixed[best]])
         plan = rows["auto"].get("auto_plan", {})
         choice = int(plan.get("auto_choice", -1))
@@ -47,8 +46,7 @@ def check(result: dict[str, Any], target: float = 1.05) -> dict[str, dict[str, A
             "fastest_fixed": best,
             "fastest_median_s": statistics.median(fixed[best]),
             "ratio_of_means": statistics.fmean(auto) / statistics.fmean(fixed[best]),
-            "versus_fastest": {"better": "faster", "worse": "slower"}.get(
-                versus.verdict, "level") if versus else "level",
+            "versus_fastest": _versus(fixed[best], auto)["auto_is"],
             "within_target": ("missed" if within.low > 0 else "met" if within.high < 0
                               else "undecided") if within else "undecided",
             "target": target,

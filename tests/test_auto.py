@@ -344,6 +344,16 @@ def _tiny_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
 
 
+def _train_eight_steps(model: torch.nn.Module, opt, rank: int) -> torch.Tensor:
+    """Eight steps on this rank's own batches; the parameters after them, flat."""
+    for step in range(8):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=g)).square().mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def torchrun_auto(transport) -> dict:
     """Entry point for tests/mp_worker.py: DistributedOptimizer and the DDP hook with 'auto'
     (real gloo processes), 8 steps each; the plan is made at step 3."""
@@ -355,23 +365,13 @@ def torchrun_auto(transport) -> dict:
     opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
                                grace_from_params(params, transport),
                                named_parameters=model.named_parameters())
-    for step in range(8):
-        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
-        opt.zero_grad()
-        model(torch.randn(16, 64, generator=g)).square().mean().backward()
-        opt.step()
-    out["optimizer"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    out["optimizer"] = _train_eight_steps(model, opt, dist.get_rank())
     out["optimizer_choice"] = opt.grace.choice
     model = torch.nn.parallel.DistributedDataParallel(_tiny_model())
     state = CommHookState(params, model)
     model.register_comm_hook(state, __import__("spardl_grace").comm_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(8):
-        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
-        opt.zero_grad()
-        model(torch.randn(16, 64, generator=g)).square().mean().backward()
-        opt.step()
-    out["hook"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    out["hook"] = _train_eight_steps(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     dist.get_rank())
     out["hook_choice"] = state.sync.grace.choice
     out["hook_stats"] = state.stats_to_log()
     return out

@@ -173,6 +173,7 @@ class Auto(Synchronizer):
     ):
         super().__init__(memory, transport)
         self._candidates: tuple[Candidate, ...] = parse_candidates(list(candidates))
+        self._by_name = {c.name: c for c in self._candidates}
         if not 0 < budget <= 1:
             raise ValueError(f"auto_budget must be in (0, 1], got {budget!r}")
         if (
@@ -205,7 +206,6 @@ class Auto(Synchronizer):
         self._plan: dict[str, Any] = {}
         self._compute: list[float] = []  # the latest steps' time outside synchronisation
         self._window: list[float] = []  # synchronisation seconds per step since the plan
-        self._last_measured = 0.0
         self._corrections: dict[str, float] = {}
         self._replans = 0
         self._seen: set[str] = set()
@@ -223,9 +223,17 @@ class Auto(Synchronizer):
         'predicted_sync_s' and 'sent_bytes' by name, and the step it was made at."""
         return dict(self._plan)
 
-    def _kind(self, name: str) -> str:
-        kind = next(c.kind for c in self._candidates if c.name == name)
-        return "spardl" if kind == "spardl" else "dense"
+    def _family(self, name: str) -> str:
+        """'spardl' for SparDL's densities, 'dense' for dense and dense16: what one measured
+        correction speaks for."""
+        return "spardl" if self._by_name[name].kind == "spardl" else "dense"
+
+    def _switch(self, name: str) -> None:
+        """Synchronise with candidate `name` from the next tensor on."""
+        self.choice = name
+        chosen = self._by_name[name]
+        if chosen.kind == "spardl":
+            self._sparse.set_density(chosen.density)
 
     def _inner(self) -> Synchronizer:
         return {"dense": self._dense, "dense16": self._dense16}.get(self.choice, self._sparse)
@@ -269,24 +277,28 @@ class Auto(Synchronizer):
                 self._replan(device, measured_dense=True)
             return
         if self.replan_window and len(self._window) >= self.replan_window:
-            ratio = self._measured_ratio(device)
+            ratio, measured = self._measured(device)
             self._window = []
             if abs(ratio - 1) > self.replan_tolerance:
-                self._replan(device, measured_dense=False, ratio=ratio)
+                self._replan(device, measured_dense=False, ratio=ratio, measured=measured)
 
-    def _measured_ratio(self, device: torch.device) -> float:
-        """Rank 0's median synchronisation over the window against the plan's prediction,
-        the same on every rank."""
+    def _measured(self, device: torch.device) -> tuple[float, float]:
+        """Rank 0's median synchronisation over the window, as a ratio to the plan's
+        prediction and in seconds, the same on every rank."""
         predicted = self._plan["predicted_sync_s"][self.choice]
         measured = statistics.median(self._window)
         ratio = measured / predicted if predicted > 0 else 1.0
         shared = torch.tensor([ratio, measured], dtype=torch.float64)
-        shared = self.transport.broadcast(shared.to(device), 0, "auto.check").cpu()
-        self._last_measured = float(shared[1])
-        return float(shared[0])
+        ratio, measured = self.transport.broadcast(shared.to(device), 0, "auto.check").tolist()
+        return ratio, measured
 
-    def _replan(self, device: torch.device, measured_dense: bool, ratio: float = 1.0) -> None:
-        """Probe, predict on rank 0, take rank 0's plan on every rank, switch to its choice."""
+    def _replan(
+        self, device: torch.device, measured_dense: bool, ratio: float = 1.0, measured: float = 0.0
+    ) -> None:
+        """Probe, predict on rank 0, take rank 0's plan on every rank, switch to its choice.
+        measured_dense: the window holds the measured dense steps (the first plan); otherwise
+        `measured` is the window's synchronisation under the current choice, `ratio` its
+        ratio to the prediction."""
         link = probe_link(self.transport, device, "auto.probe")
         size = self.transport.size
         sparse = [c for c in self._candidates if c.kind == "spardl"]
@@ -306,19 +318,18 @@ class Auto(Synchronizer):
         if measured_dense and self._window and dense > 0:
             # The measured steps ran dense: their all-reduces calibrate the dense candidates.
             factor = _clamped(statistics.median(self._window) / dense)
-            corrections.update({c.name: factor for c in self._candidates if c.kind != "spardl"})
+            corrections.update({n: factor for n in model if self._family(n) == "dense"})
         elif not measured_dense and model.get(self.choice, 0) > 0:
             # What misled the model for the choice (the link's shape, this machine's
             # selection) misleads it alike for its family: dense ones, or SparDL's densities.
-            factor = _clamped(self._last_measured / model[self.choice])
-            kind = self._kind(self.choice)
-            corrections.update(
-                {c.name: factor for c in self._candidates if self._kind(c.name) == kind}
-            )
+            factor = _clamped(measured / model[self.choice])
+            family = self._family(self.choice)
+            corrections.update({n: factor for n in model if self._family(n) == family})
         sync = {n: model[n] * corrections.get(n, 1.0) for n in model}
         sent = {c.name: sync_bytes(c, numels, size, self.min_entries) for c in self._candidates}
         steps = [compute + sync[c.name] for c in self._candidates]
         index = choose(steps, [sent[c.name] for c in self._candidates], self.budget)
+        sixteen = link.allreduce16 or link.allreduce
         mine = torch.tensor(
             [
                 index,
@@ -327,10 +338,8 @@ class Auto(Synchronizer):
                 link.p2p.beta,
                 link.allreduce.alpha,
                 link.allreduce.beta,
-                *(
-                    (link.allreduce16 or link.allreduce).alpha,
-                    (link.allreduce16 or link.allreduce).beta,
-                ),
+                sixteen.alpha,
+                sixteen.beta,
                 *(sync[c.name] for c in self._candidates),
                 *(corrections.get(c.name, 1.0) for c in self._candidates),
             ],
@@ -370,9 +379,7 @@ class Auto(Synchronizer):
             "replans": self._replans,
             "measured_ratio": ratio,
         }
-        self.choice = chosen.name
-        if chosen.kind == "spardl":
-            self._sparse.set_density(chosen.density)
+        self._switch(chosen.name)
         if self.transport.rank == 0:
             LOG.info("%s", self.describe())
 
@@ -395,17 +402,15 @@ class Auto(Synchronizer):
         (-1 while measuring, dense), auto_density its density."""
         if not self._plan:
             return {"auto_choice": -1.0, "auto_density": 1.0, "auto_replans": 0.0}
-        names = [c.name for c in self._candidates]
-        stats = {
-            "auto_choice": float(names.index(self.choice)),
-            "auto_density": self._candidates[names.index(self.choice)].density,
+        chosen = self._by_name[self.choice]
+        return {
+            "auto_choice": float(self._candidates.index(chosen)),
+            "auto_density": chosen.density,
             "auto_replans": float(self._replans),
+            "auto_predicted_step_s": self._plan["predicted_step_s"][self.choice],
+            "auto_compute_s": self._plan["compute_s"],
+            "auto_link_gbit_per_s": self._plan["link_gbit_per_s"],
         }
-        if self._plan:
-            stats["auto_predicted_step_s"] = self._plan["predicted_step_s"][self.choice]
-            stats["auto_compute_s"] = self._plan["compute_s"]
-            stats["auto_link_gbit_per_s"] = self._plan["link_gbit_per_s"]
-        return stats
 
     def result_is_finite(self, result: torch.Tensor, name: str) -> bool:
         return self._inner().result_is_finite(result, name)
@@ -433,7 +438,7 @@ class Auto(Synchronizer):
         if not state:
             return
         choice = state["choice"]
-        if choice not in {c.name for c in self._candidates}:
+        if choice not in self._by_name:
             raise ValueError(
                 f"the checkpoint's 'auto' choice {choice!r} is not among this run's "
                 f"candidates ({self.candidates})"
@@ -448,10 +453,7 @@ class Auto(Synchronizer):
         self._corrections = dict(state["corrections"])
         self._replans = int(state["replans"])
         self._sparse._load_own_state(state["spardl"])
-        self.choice = choice
-        chosen = next(c for c in self._candidates if c.name == choice)
-        if chosen.kind == "spardl":
-            self._sparse.set_density(chosen.density)
+        self._switch(choice)
         self._seen, self._step_start, self._step_sync = set(), None, 0.0
         self._numels, self._last_numels = {}, dict(state["numels"])
 
