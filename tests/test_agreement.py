@@ -22,6 +22,9 @@ def params_for(communicator: str, **overrides) -> dict:
     if communicator in ("allreduce", "allgather", "broadcast"):
         return {"compressor": "topk" if communicator == "allgather" else "none",
                 "memory": "none", "communicator": communicator, "compress_ratio": 0.01, **overrides}
+    if communicator == "auto":  # chooses its density itself, so it takes no compress_ratio
+        return {"compressor": "topk", "memory": "global_residual", "communicator": "auto",
+                **overrides}
     return {**SPARSE, "communicator": communicator, **overrides}
 
 
