@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated of {', '.join(configs.ALGORITHMS)}, or the "
                         "ablation's configs (experiments.ablation: 'spardl@0.003+compact', "
                         "'powersgd2', 'postlocal16'; warm-ups are left out: steady state)")
-    p.add_argument("--bandwidths", default="100mbit,1gbit", help="comma-separated link rates")
+    p.add_argument("--bandwidths", default="100mbit,1gbit",
+                   help="comma-separated link rates; 'loopback' for the link unshaped")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", type=int, default=3, help="steps left out of the median")
@@ -80,12 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.launcher == "horovodrun" and ddp:
         p.error(f"--launcher horovodrun cannot run {', '.join(ddp)}: DDP's own, which needs "
                 "torch.distributed; run it with --launcher spawn")
-    args.bandwidths = [b for b in args.bandwidths.split(",") if b]
-    for rate in args.bandwidths:
+    # "loopback": the namespaces' links left unshaped, beside the shaped rates in one run.
+    args.bandwidths = [None if b == "loopback" else b for b in args.bandwidths.split(",") if b]
+    for rate in filter(None, args.bandwidths):
         try:
             rate_bits_per_s(rate)
         except ValueError as exc:
-            p.error(str(exc))
+            p.error(f"{exc}, or 'loopback' for the link unshaped")
     if args.steps <= args.skip:
         p.error("--steps must be larger than --skip")
     args.device = resolve_device(args.device, p)
