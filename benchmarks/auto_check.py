@@ -4,6 +4,9 @@ result (issue 63's verification):
     python -m benchmarks.train_step --dnn resnet20 --algorithms auto,fixed_dense,... --json R
     python -m benchmarks.auto_check R [--target 1.05]
 
+A run with --bandwidth-change STEP:RATE is compared twice per link: over the timed steps
+before STEP, and over those after auto's re-plan (the step it re-planned at is reported).
+
 For each link rate: auto's median step and what it chose, the fastest of its candidates run
 alone (the rows named fixed_CANDIDATE, by mean step) and auto's ratio to it, and two verdicts by Welch's 95% interval over the timed
 steps: auto against the fastest ('faster', 'slower' or 'level'), and whether auto's mean step
@@ -27,35 +30,73 @@ from testbed.stats import welch
 
 def check(result: dict[str, Any], target: float = 1.05) -> dict[str, dict[str, Any]]:
     """Per network of `result` (benchmarks.train_step's JSON, with 'auto' and fixed rows), the
-    comparison described in the module docstring."""
+    comparison described in the module docstring over every timed step; when the run changed
+    its link (--bandwidth-change STEP:RATE), two comparisons per network instead, the steps
+    before STEP and those after auto's re-plan, with when it re-planned."""
     out = {}
+    config = result.get("config", {})
+    skip, change = config.get("skip", 0), config.get("bandwidth_change")
     for network, rows in result["networks"].items():
         if "auto" not in rows:
             continue
-        auto = rows["auto"]["step_times"]
-        fixed = {n: r["step_times"] for n, r in rows.items() if n.startswith("fixed_")}
-        if not fixed:
-            raise ValueError(f"{network}: no fixed_CANDIDATE rows to compare auto with")
-        best = min(fixed, key=lambda n: statistics.fmean(fixed[n]))
-        within = welch(auto, [target * t for t in fixed[best]])
-        plan = rows["auto"].get("auto_plan", {})
-        choice = int(plan.get("auto_choice", -1))
-        out[network] = {
-            "auto_median_s": statistics.median(auto),
-            "auto_chose": DEFAULT_CANDIDATES[choice] if choice >= 0 else "measuring",
-            "fastest_fixed": best,
-            "fastest_median_s": statistics.median(fixed[best]),
-            "ratio_of_means": statistics.fmean(auto) / statistics.fmean(fixed[best]),
-            "versus_fastest": _versus(fixed[best], auto)["auto_is"],
-            "within_target": ("missed" if within.low > 0 else "met" if within.high < 0
-                              else "undecided") if within else "undecided",
-            "target": target,
-            "baselines": {
-                n: _versus(r["step_times"], auto)
-                for n, r in rows.items() if n != "auto" and not n.startswith("fixed_")
-            },
-        }
+        if change is None:
+            out[network] = _compare(rows, target, slice(None))
+            continue
+        step, _, rate = change.partition(":")
+        replan = replan_after(rows["auto"]["auto_steps"], int(step))
+        out[f"{network} before step {step}"] = _compare(rows, target, slice(0, int(step) - skip))
+        if replan is None:
+            out[f"{rate} after step {step}"] = {"replanned_at": None}
+            continue
+        after = _compare(rows, target, slice(replan + 1 - skip, None))
+        out[f"{rate} after the re-plan"] = {**after, "replanned_at": replan,
+                                            "steps_to_replan": replan - int(step)}
     return out
+
+
+def replan_after(auto_steps: list[dict[str, float]], step: int) -> int | None:
+    """The first step at or after `step` whose re-plan count exceeds the one before `step`
+    (auto re-planned there), or None."""
+    before = max((s["replans"] for s in auto_steps if s["step"] < step), default=0.0)
+    return next((int(s["step"]) for s in auto_steps
+                 if s["step"] >= step and s["replans"] > before), None)
+
+
+def _compare(rows: dict[str, Any], target: float, steps: slice) -> dict[str, Any]:
+    """auto against the fastest fixed row and the baselines over the timed steps `steps`
+    (indices into each row's step_times, the same steps for every row)."""
+    auto = rows["auto"]["step_times"][steps]
+    fixed = {n: r["step_times"][steps] for n, r in rows.items() if n.startswith("fixed_")}
+    if not fixed:
+        raise ValueError("no fixed_CANDIDATE rows to compare auto with")
+    best = min(fixed, key=lambda n: statistics.fmean(fixed[n]))
+    within = welch(auto, [target * t for t in fixed[best]])
+    choice = int(_choice_at_end(rows["auto"], steps))
+    return {
+        "auto_median_s": statistics.median(auto),
+        "auto_chose": DEFAULT_CANDIDATES[choice] if choice >= 0 else "measuring",
+        "fastest_fixed": best,
+        "fastest_median_s": statistics.median(fixed[best]),
+        "ratio_of_means": statistics.fmean(auto) / statistics.fmean(fixed[best]),
+        "versus_fastest": _versus(fixed[best], auto)["auto_is"],
+        "within_target": ("missed" if within.low > 0 else "met" if within.high < 0
+                          else "undecided") if within else "undecided",
+        "target": target,
+        "baselines": {
+            n: _versus(r["step_times"][steps], auto)
+            for n, r in rows.items() if n != "auto" and not n.startswith("fixed_")
+        },
+    }
+
+
+def _choice_at_end(auto: dict[str, Any], steps: slice) -> float:
+    """auto's choice at the last of its timed steps `steps`: from its per-step records (whose
+    last len(step_times) are the timed steps), or the run's last plan in results older than
+    those records."""
+    if "auto_steps" not in auto:
+        return auto.get("auto_plan", {}).get("auto_choice", -1)
+    timed = auto["auto_steps"][-len(auto["step_times"]):]
+    return timed[steps][-1]["choice"]
 
 
 def _versus(other: list[float], auto: list[float]) -> dict[str, Any]:
@@ -70,16 +111,23 @@ def table(checked: dict[str, dict[str, Any]]) -> str:
     """The comparison as a markdown table."""
     lines = ["| link | auto chose | auto s/step | fastest fixed | its s/step | auto / fastest "
              "(means) | vs fastest | within target |", "|---|---|---|---|---|---|---|---|"]
-    for network, c in checked.items():
+    compared = {network: c for network, c in checked.items() if "auto_chose" in c}
+    for network, c in compared.items():
         lines.append(f"| {network} | {c['auto_chose']} | {c['auto_median_s']:.3f} | "
                      f"{c['fastest_fixed']} | {c['fastest_median_s']:.3f} | "
                      f"{c['ratio_of_means']:.3f} | {c['versus_fastest']} | "
                      f"{c['within_target']} ({c['target']}x) |")
-    names = sorted({n for c in checked.values() for n in c["baselines"]})
+    for network, c in checked.items():
+        if "replanned_at" in c:
+            when = ("never re-planned after the link changed" if c["replanned_at"] is None else
+                    f"re-planned at step {c['replanned_at']}, {c['steps_to_replan']} steps "
+                    "after the link changed")
+            lines += ["", f"{network}: auto {when}"]
+    names = sorted({n for c in compared.values() for n in c["baselines"]})
     if names:
         lines += ["", "| link | " + " | ".join(f"auto / {n}" for n in names) + " |",
                   "|---|" + "---|" * len(names)]
-        for network, c in checked.items():
+        for network, c in compared.items():
             cells = [f"{b['ratio_of_means']:.3f} ({b['auto_is']})" if (b := c["baselines"].get(n))
                      else "-" for n in names]
             lines.append(f"| {network} | " + " | ".join(cells) + " |")

@@ -41,16 +41,21 @@ from testbed.netem import EmulatedNetwork, available, rate_bits_per_s, run_all
 from benchmarks.netns_ssh import on_node
 from testbed import configs
 from testbed.configs import DEVICES, resolve_device
+from testbed.models import MODEL_TASKS
 from testbed.records import read_log
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHERS = ("spawn", "horovodrun")
 DDP_ONLY = ("ddp", "fp16", "powersgd1", "powersgd4")
+LM_DATASET = "wikipedia-chars"  # the transformer front's corpus, on every machine the set-up made
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dnn", default="vgg16")
+    p.add_argument("--dataset", default=None,
+                   help="the training CLI's --dataset; default fashion-mnist, or "
+                        f"{LM_DATASET} for a language model")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--algorithms", default="ddp,fp16,powersgd1,powersgd4,dense,spardl",
@@ -59,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "'powersgd2', 'postlocal16'; warm-ups are left out: steady state)")
     p.add_argument("--bandwidths", default="100mbit,1gbit",
                    help="comma-separated link rates; 'loopback' for the link unshaped")
+    p.add_argument("--bandwidth-change", default=None, metavar="STEP:RATE",
+                   help="every run's link reshaped to RATE at STEP (the training CLI's option): "
+                        "a link that changes mid-run, for 'auto' to re-plan")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", type=int, default=3, help="steps left out of the median")
@@ -71,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "horovodrun: Horovod starts them (this library's algorithms only)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    if args.dataset is None:
+        args.dataset = LM_DATASET if MODEL_TASKS.get(args.dnn) == "lm" else "fashion-mnist"
     args.algorithms = [a for a in args.algorithms.split(",") if a]
     for name in args.algorithms:
         try:
@@ -88,6 +98,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             rate_bits_per_s(rate)
         except ValueError as exc:
             p.error(f"{exc}, or 'loopback' for the link unshaped")
+    if args.bandwidth_change is not None:
+        if None in args.bandwidths or args.launcher != "spawn":
+            p.error("--bandwidth-change reshapes an emulated link: give shaped --bandwidths "
+                    "(no 'loopback') and the spawn launcher")
+        step, _, rate = args.bandwidth_change.partition(":")
+        try:
+            rate_bits_per_s(rate)
+            if not 0 < int(step) < args.steps:
+                raise ValueError(f"STEP must lie within the run's {args.steps} steps")
+        except ValueError as exc:
+            p.error(f"--bandwidth-change STEP:RATE, e.g. 40:100mbit: {exc}")
     if args.steps <= args.skip:
         p.error("--steps must be larger than --skip")
     args.device = resolve_device(args.device, p)
@@ -102,7 +123,7 @@ def _env() -> dict[str, str]:
 def _trainer(args: argparse.Namespace, out: Path, workers: int, options: list[str],
              eval_every: int | None = None) -> list[str]:
     return [sys.executable, "-m", "experiments.main_trainer", "--dnn", args.dnn,
-            "--dataset", "fashion-mnist", "--nworkers", str(workers),
+            "--dataset", args.dataset, "--nworkers", str(workers),
             "--batch-size", str(args.batch_size), "--density", str(args.density),
             "--max-epochs", "1", "--max-steps", str(args.steps), "--test-samples", "100",
             "--eval-every", str(eval_every or args.skip),
@@ -145,7 +166,8 @@ def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Pa
     if args.launcher == "horovodrun":
         under_horovodrun(cmd[1:], args.workers, rate)
     else:
-        run_all([cmd + (["--bandwidth", rate] if rate else [])], [_env()], ROOT)
+        change = ["--bandwidth-change", args.bandwidth_change] if args.bandwidth_change else []
+        run_all([cmd + (["--bandwidth", rate, *change] if rate else [])], [_env()], ROOT)
     times = step_times(out, max(args.skip, period - 1))
     if period:
         whole = len(times) // period * period
@@ -157,10 +179,13 @@ def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Pa
     log = read_log(out)
     payload = _payload(log["eval"], period)
     plan = {k: v for k, v in log["step"][-1].items() if k.startswith("auto_")}
+    # Each step's choice and re-plan count: when auto re-planned after a change of the link.
+    auto_steps = [{"step": r["step"], "choice": r["auto_choice"], "replans": r["auto_replans"]}
+                  for r in log["step"] if "auto_choice" in r]
     wire_s = payload * 8 / rate_bits_per_s(rate) if rate else None
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
             "step_times": times, "bytes_per_step": payload, "wire_s_of_bytes": wire_s,
-            **({"auto_plan": plan} if plan else {})}
+            **({"auto_plan": plan, "auto_steps": auto_steps} if plan else {})}
 
 
 def _payload(evals: list[dict[str, Any]], period: int) -> float:
@@ -233,9 +258,11 @@ def copy_seconds(numel: int, workers: int, repeat: int = 10, device: str = "cpu"
     return statistics.median(max(round_) for round_ in zip(*per_worker))
 
 
-def gradient_numel(dnn: str) -> int:
+def gradient_numel(dnn: str, dataset: str) -> int:
+    from testbed.datasets import DATASETS
     from testbed.models import build_model
-    return sum(p.numel() for p in build_model(dnn, 1, 10).parameters())
+    _, channels, classes = DATASETS[dataset]
+    return sum(p.numel() for p in build_model(dnn, channels, classes).parameters())
 
 
 def add_bounds(result: dict[str, Any]) -> None:
@@ -257,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "emulated": why is None, "why_not_emulated": why, "networks": {}}
     with tempfile.TemporaryDirectory() as tmp:
         result["compute_only"] = compute_only(args, Path(tmp))
-        result["copy_s"] = copy_seconds(gradient_numel(args.dnn), args.workers,
+        result["copy_s"] = copy_seconds(gradient_numel(args.dnn, args.dataset), args.workers,
                                         device=args.device)
         for rate in networks:
             rows = {}

@@ -416,6 +416,30 @@ def test_the_check_of_auto_against_the_fixed_choices_names_each_verdict():
         check({"networks": {"x": {"auto": row(steady), "ddp": row(steady)}}})
 
 
+def test_the_check_of_a_link_change_compares_before_it_and_after_the_replan():
+    """Steps 2..13 timed, the link slowed at step 6, auto re-planned at step 8 (from
+    candidate 2 to 4): before the change auto equals the fixed row, between the change and the
+    re-plan it is slow (left out of both windows), after it as fast as the other fixed row."""
+    from benchmarks.auto_check import check, replan_after, table
+
+    steps = [{"step": s, "choice": -1 if s < 2 else 2 if s < 8 else 4,
+              "replans": 0.0 if s < 8 else 1.0} for s in range(14)]
+    fast, slow = [1.0, 1.01, 0.99, 1.0], [2.0, 2.02, 1.98, 2.0]
+    auto = fast + [3.0, 3.0, 3.0] + [2.0, 2.01, 1.99, 2.0, 2.0]
+    result = {"config": {"skip": 2, "bandwidth_change": "6:100mbit"}, "networks": {"1gbit": {
+        "auto": {"step_times": auto, "auto_steps": steps},
+        "fixed_spardl@0.01": {"step_times": fast + [2.5] * 8},
+        "fixed_spardl@0.001": {"step_times": [1.2] * 4 + [2.0, 2.0, 2.0] + slow + [2.0]}}}}
+    assert replan_after(steps, 6) == 8 and replan_after(steps, 9) is None
+    checked = check(result, 1.05)
+    before, after = checked["1gbit before step 6"], checked["100mbit after the re-plan"]
+    assert before["fastest_fixed"] == "fixed_spardl@0.01" and before["auto_chose"] == \
+        DEFAULT_CANDIDATES[2] and before["versus_fastest"] == "level"
+    assert after["fastest_fixed"] == "fixed_spardl@0.001" and after["auto_chose"] == \
+        DEFAULT_CANDIDATES[4] and after["steps_to_replan"] == 2 and after["within_target"] == "met"
+    assert "re-planned at step 8, 2 steps after the link changed" in table(checked)
+
+
 def test_auto_between_fsdp2_replicas_keeps_them_identical(launch):
     per_rank = launch("gloo", 4, "fsdp_scenarios.auto_between_replicas")
     for shard in (0, 1):
