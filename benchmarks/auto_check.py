@@ -5,7 +5,8 @@ result (issue 63's verification):
     python -m benchmarks.auto_check R [--target 1.05]
 
 A run with --bandwidth-change STEP:RATE is compared twice per link: over the timed steps
-before STEP, and over those after auto's re-plan (the step it re-planned at is reported).
+before STEP, and over those after auto's re-plan (the step it re-planned at is reported), or
+over every step from STEP on when auto did not re-plan.
 
 For each link rate: auto's median step and what it chose, the fastest of its candidates run
 alone (the rows named fixed_CANDIDATE, by mean step) and auto's ratio to it, and two verdicts by Welch's 95% interval over the timed
@@ -45,8 +46,9 @@ def check(result: dict[str, Any], target: float = 1.05) -> dict[str, dict[str, A
         step, _, rate = change.partition(":")
         replan = replan_after(rows["auto"]["auto_steps"], int(step))
         out[f"{network} before step {step}"] = _compare(rows, target, slice(0, int(step) - skip))
-        if replan is None:
-            out[f"{rate} after step {step}"] = {"replanned_at": None}
+        if replan is None:  # no re-plan: auto's choice from before, over every step after
+            out[f"{rate} after step {step}"] = {
+                **_compare(rows, target, slice(int(step) - skip, None)), "replanned_at": None}
             continue
         after = _compare(rows, target, slice(replan + 1 - skip, None))
         out[f"{rate} after the re-plan"] = {**after, "replanned_at": replan,

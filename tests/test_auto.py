@@ -438,6 +438,10 @@ def test_the_check_of_a_link_change_compares_before_it_and_after_the_replan():
     assert after["fastest_fixed"] == "fixed_spardl@0.001" and after["auto_chose"] == \
         DEFAULT_CANDIDATES[4] and after["steps_to_replan"] == 2 and after["within_target"] == "met"
     assert "re-planned at step 8, 2 steps after the link changed" in table(checked)
+    result["networks"]["1gbit"]["auto"]["auto_steps"] = [{**s, "replans": 0.0} for s in steps]
+    kept = check(result, 1.05)["100mbit after step 6"]
+    assert kept["replanned_at"] is None and kept["fastest_fixed"] == "fixed_spardl@0.001"
+    assert kept["ratio_of_means"] > 1.15  # the slow steps before the re-plan count now
 
 
 def test_auto_between_fsdp2_replicas_keeps_them_identical(launch):

@@ -680,6 +680,27 @@ def test_training_step_benchmark_times_every_algorithm_beside_compute(tmp_path):
             train_step.parse_args(["--device", "cuda"])
 
 
+def test_training_step_benchmark_takes_loopback_a_changing_link_and_a_language_model(capsys):
+    from benchmarks import train_step
+    args = train_step.parse_args(["--dnn", "transformer", "--bandwidths", "1gbit,100mbit",
+                                  "--bandwidth-change", "20:10mbit", "--steps", "30"])
+    assert (args.dataset, args.bandwidths, args.bandwidth_change) == \
+        ("wikipedia-chars", ["1gbit", "100mbit"], "20:10mbit")
+    assert train_step.parse_args(["--bandwidths", "loopback,1gbit"]).bandwidths == [None, "1gbit"]
+    assert train_step.parse_args([]).dataset == "fashion-mnist"
+    assert train_step.gradient_numel("transformer", "wikipedia-chars") > \
+        train_step.gradient_numel("transformer", "fashion-mnist")  # its vocabulary, not 1
+    for bad, message in ((["--bandwidths", "loopback", "--bandwidth-change", "5:10mbit"],
+                          "no 'loopback'"),
+                         (["--bandwidth-change", "50:10mbit", "--steps", "30"],
+                          "within the run's 30 steps"),
+                         (["--bandwidth-change", "5:fast"], "STEP:RATE"),
+                         (["--bandwidths", "fast"], "or 'loopback'")):
+        with pytest.raises(SystemExit):
+            train_step.parse_args(bad)
+        assert message in capsys.readouterr().err, bad
+
+
 def test_training_step_benchmark_takes_the_fronts_configs(tmp_path):
     """The ablation's config names (issue 39's front) at their steady state: the warm-up left
     out, PowerSGD from step 2, post-local SGD's step the mean over its periods after its start;

@@ -180,3 +180,21 @@ def test_the_stress_run_counts_passes_and_names_bad_options(tmp_path, capsys):
         with pytest.raises(SystemExit):
             user_loops.parse_args(bad)
         assert what in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_auto_plans_the_same_on_every_rank_inside_the_loops_users_write(launcher, tmp_path):
+    """communicator 'auto' measures, probes the link and broadcasts its plan while the user's
+    own collectives, barriers, second optimizer, GradScaler and unused parameters run around
+    it: every rank ends with the same parameters, and with the plan fixed (one candidate) the
+    user's collectives between backward and step change no bit."""
+    ranks = run_ranks(launcher, 3, "user_loops.auto_patterns", tmp_path, timeout=420)
+    pinned = ranks[0]["pinned"]
+    for result in ranks:
+        for pattern in pinned:
+            assert torch.equal(result["pinned"][pattern]["params"], pinned["plain"]["params"]), \
+                pattern
+            assert result["pinned"][pattern]["auto_density"] == 0.05, pattern  # it planned
+        for pattern, chosen in ranks[0]["chosen"].items():
+            assert torch.equal(result["chosen"][pattern]["params"], chosen["params"]), pattern
+            assert torch.isfinite(chosen["params"]).all(), pattern

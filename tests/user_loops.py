@@ -106,7 +106,8 @@ def _optimizer_loop(between_backward_and_step) -> dict:
         loss.backward()
         logged.append(between_backward_and_step(user, step, loss.item()))
         opt.step()
-    return {"params": flat_params(model), "logged": logged}
+    return {"params": flat_params(model), "logged": logged,
+            "auto_density": opt.last_stats.get("auto_density")}  # None unless 'auto'
 
 
 def plain(_transport) -> dict:
@@ -377,3 +378,24 @@ def more_patterns(transport) -> dict:
     if _UserCollectives().kind == "torchrun":
         patterns += [compiled_model, own_subgroup_for_metrics]
     return {"plain": plain(transport), **{f.__name__: f(transport) for f in patterns}}
+
+
+AUTO = {"compressor": "topk", "memory": "global_residual", "communicator": "auto",
+        "auto_measure_steps": 2, "min_entries": 0}
+
+
+def auto_patterns(transport) -> dict:
+    """The loops above with communicator 'auto' (2 dense measuring steps, the link probed on
+    the library's channel, then its plan): with one candidate the plan is fixed, so the loops
+    that add the user's collectives between backward and step must end with the plain loop's
+    bits; with every candidate the plan follows the timings, so only the ranks must agree."""
+    global PARAMS
+    saved = PARAMS
+    try:
+        PARAMS = {**AUTO, "auto_candidates": ["spardl@0.05"]}
+        pinned = collectives_between_backward_and_step(transport)
+        PARAMS = dict(AUTO)
+        chosen = more_patterns(transport)
+    finally:
+        PARAMS = saved
+    return {"pinned": pinned, "chosen": chosen}
