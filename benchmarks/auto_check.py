@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from spardl_grace.planner import DEFAULT_CANDIDATES
+from testbed.netem import rate_change
 from testbed.stats import welch
 
 
@@ -43,16 +44,16 @@ def check(result: dict[str, Any], target: float = 1.05) -> dict[str, dict[str, A
         if change is None:
             out[network] = _compare(rows, target, slice(None))
             continue
-        step, _, rate = change.partition(":")
-        replan = replan_after(rows["auto"]["auto_steps"], int(step))
-        out[f"{network} before step {step}"] = _compare(rows, target, slice(0, int(step) - skip))
+        step, rate = rate_change(change)
+        replan = replan_after(rows["auto"]["auto_steps"], step)
+        out[f"{network} before step {step}"] = _compare(rows, target, slice(0, step - skip))
         if replan is None:  # no re-plan: auto's choice from before, over every step after
             out[f"{rate} after step {step}"] = {
-                **_compare(rows, target, slice(int(step) - skip, None)), "replanned_at": None}
+                **_compare(rows, target, slice(step - skip, None)), "replanned_at": None}
             continue
         after = _compare(rows, target, slice(replan + 1 - skip, None))
         out[f"{rate} after the re-plan"] = {**after, "replanned_at": replan,
-                                            "steps_to_replan": replan - int(step)}
+                                            "steps_to_replan": replan - step}
     return out
 
 
@@ -113,8 +114,7 @@ def table(checked: dict[str, dict[str, Any]]) -> str:
     """The comparison as a markdown table."""
     lines = ["| link | auto chose | auto s/step | fastest fixed | its s/step | auto / fastest "
              "(means) | vs fastest | within target |", "|---|---|---|---|---|---|---|---|"]
-    compared = {network: c for network, c in checked.items() if "auto_chose" in c}
-    for network, c in compared.items():
+    for network, c in checked.items():
         lines.append(f"| {network} | {c['auto_chose']} | {c['auto_median_s']:.3f} | "
                      f"{c['fastest_fixed']} | {c['fastest_median_s']:.3f} | "
                      f"{c['ratio_of_means']:.3f} | {c['versus_fastest']} | "
@@ -125,11 +125,11 @@ def table(checked: dict[str, dict[str, Any]]) -> str:
                     f"re-planned at step {c['replanned_at']}, {c['steps_to_replan']} steps "
                     "after the link changed")
             lines += ["", f"{network}: auto {when}"]
-    names = sorted({n for c in compared.values() for n in c["baselines"]})
+    names = sorted({n for c in checked.values() for n in c["baselines"]})
     if names:
         lines += ["", "| link | " + " | ".join(f"auto / {n}" for n in names) + " |",
                   "|---|" + "---|" * len(names)]
-        for network, c in compared.items():
+        for network, c in checked.items():
             cells = [f"{b['ratio_of_means']:.3f} ({b['auto_is']})" if (b := c["baselines"].get(n))
                      else "-" for n in names]
             lines.append(f"| {network} | " + " | ".join(cells) + " |")

@@ -37,7 +37,7 @@ from benchmarks import twonode
 from benchmarks.comm import machine, write_json
 from benchmarks.comm_worker import synchronize
 from benchmarks.launch import launch_env, launcher_command
-from testbed.netem import EmulatedNetwork, available, rate_bits_per_s, run_all
+from testbed.netem import EmulatedNetwork, available, rate_bits_per_s, rate_change, run_all
 from benchmarks.netns_ssh import on_node
 from testbed import configs
 from testbed.configs import DEVICES, resolve_device
@@ -102,10 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if None in args.bandwidths or args.launcher != "spawn":
             p.error("--bandwidth-change reshapes an emulated link: give shaped --bandwidths "
                     "(no 'loopback') and the spawn launcher")
-        step, _, rate = args.bandwidth_change.partition(":")
         try:
-            rate_bits_per_s(rate)
-            if not 0 < int(step) < args.steps:
+            if not 0 < rate_change(args.bandwidth_change)[0] < args.steps:
                 raise ValueError(f"STEP must lie within the run's {args.steps} steps")
         except ValueError as exc:
             p.error(f"--bandwidth-change STEP:RATE, e.g. 40:100mbit: {exc}")

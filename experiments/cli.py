@@ -343,19 +343,16 @@ def _check_run(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
 def _bandwidth_change(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[int, str]:
     """--bandwidth-change STEP:RATE as (step, rate); a usage error when malformed or without
     --bandwidth (a launcher's own network cannot be reshaped from here)."""
-    from testbed.netem import rate_bits_per_s
+    from testbed.netem import rate_change
     if isinstance(args.bandwidth_change, (list, tuple)):  # a worker's copy, already parsed
         return int(args.bandwidth_change[0]), str(args.bandwidth_change[1])
-    step, _, rate = str(args.bandwidth_change).partition(":")
     try:
-        rate_bits_per_s(rate)
-        if not step.isdigit():
-            raise ValueError(f"STEP must be a step number >= 0, got {step!r}")
+        change = rate_change(str(args.bandwidth_change))
     except ValueError as exc:
         p.error(f"--bandwidth-change STEP:RATE, e.g. 40:100mbit: {exc}")
     if args.bandwidth is None and args.config is None:
         p.error("--bandwidth-change reshapes the emulated network of --bandwidth: give both")
-    return int(step), rate
+    return change
 
 
 def _check_compression(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:

@@ -37,6 +37,16 @@ def rate_bits_per_s(rate: str) -> float:
     return float(number) * UNITS[unit]
 
 
+def rate_change(text: str) -> tuple[int, str]:
+    """'40:100mbit' (a link reshaped to a rate at a step) -> (40, '100mbit'). Raises
+    ValueError naming the valid form."""
+    step, _, rate = text.partition(":")
+    rate_bits_per_s(rate)
+    if not step.isdigit():
+        raise ValueError(f"STEP must be a step number >= 0, got {step!r}")
+    return int(step), rate
+
+
 def burst_bytes(bits_per_s: float) -> int:
     """The tbf bucket of a link shaped to `bits_per_s`: 10 ms of traffic, at least 64 KiB. An
     idle link passes this many bytes at the veth's own speed before the rate applies."""
