@@ -9,13 +9,17 @@ before STEP, and over those after auto's re-plan (the step it re-planned at is r
 over every step from STEP on when auto did not re-plan.
 
 For each link rate: auto's median step and what it chose, the fastest of its candidates run
-alone (the rows named fixed_CANDIDATE, by mean step) and auto's ratio to it, and two verdicts by Welch's 95% interval over the timed
-steps: auto against the fastest ('faster', 'slower' or 'level'), and whether auto's mean step
-is within `target` times the fastest's ('met' when the interval of mean(auto) - target *
-mean(fastest) lies below zero, 'missed' when above, 'undecided' otherwise). Steps of one run
-are not independent draws (a slow stretch of the machine spans several), so an interval
-here is narrower than the truth; the verdicts say so by their name only. The other rows
-(PyTorch's DDP and its hooks) are compared with auto the same way, as 'baselines'.
+alone (the rows named fixed_CANDIDATE, by mean step) and auto's ratio to it, and two verdicts by
+Welch's 95% interval: auto against the fastest ('faster', 'slower' or 'level'), and whether
+auto's mean step is within `target` times the fastest's ('met' when the interval of mean(auto)
+- target * mean(fastest) lies below zero, 'missed' when above, 'undecided' otherwise). The
+other rows (PyTorch's DDP and its hooks) are compared with auto the same way, as 'baselines'.
+
+What a verdict's samples are: with train_step's --repeats R >= 2 (the arms interleaved), each
+repeat's mean step is one sample, R per arm: repeats are independent runs, and drift of the
+machine falls on every arm alike. With one run per arm, each timed step is a sample; steps of
+one run are not independent draws (a slow stretch of the machine spans several), so that
+interval is narrower than the truth, and the result says which unit it used ('unit').
 """
 from __future__ import annotations
 
@@ -34,27 +38,38 @@ def check(result: dict[str, Any], target: float = 1.05) -> dict[str, dict[str, A
     """Per network of `result` (benchmarks.train_step's JSON, with 'auto' and fixed rows), the
     comparison described in the module docstring over every timed step; when the run changed
     its link (--bandwidth-change STEP:RATE), two comparisons per network instead, the steps
-    before STEP and those after auto's re-plan, with when it re-planned."""
+    before STEP and those after auto's re-plan, with when it re-planned (per repeat)."""
     out = {}
     config = result.get("config", {})
     skip, change = config.get("skip", 0), config.get("bandwidth_change")
     for network, rows in result["networks"].items():
         if "auto" not in rows:
             continue
+        count = len(repeats(rows["auto"]))
         if change is None:
-            out[network] = _compare(rows, target, slice(None))
+            out[network] = _compare(rows, target, [slice(None)] * count)
             continue
         step, rate = rate_change(change)
-        replan = replan_after(rows["auto"]["auto_steps"], step)
-        out[f"{network} before step {step}"] = _compare(rows, target, slice(0, step - skip))
-        if replan is None:  # no re-plan: auto's choice from before, over every step after
+        replans = [replan_after(r["auto_steps"], step) for r in repeats(rows["auto"])]
+        out[f"{network} before step {step}"] = _compare(rows, target,
+                                                         [slice(0, step - skip)] * count)
+        if all(r is None for r in replans):  # no re-plan: the choice from before, every step after
             out[f"{rate} after step {step}"] = {
-                **_compare(rows, target, slice(step - skip, None)), "replanned_at": None}
+                **_compare(rows, target, [slice(step - skip, None)] * count),
+                "replanned_at": None}
             continue
-        after = _compare(rows, target, slice(replan + 1 - skip, None))
-        out[f"{rate} after the re-plan"] = {**after, "replanned_at": replan,
-                                            "steps_to_replan": replan - step}
+        after = [slice((step if r is None else r + 1) - skip, None) for r in replans]
+        when = replans[0] if count == 1 else replans
+        out[f"{rate} after the re-plan"] = {
+            **_compare(rows, target, after), "replanned_at": when,
+            "steps_to_replan": when - step if count == 1 else
+            [None if r is None else r - step for r in replans]}
     return out
+
+
+def repeats(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row's runs: its 'repeats' (train_step --repeats R >= 2), or the row itself."""
+    return row.get("repeats", [row])
 
 
 def replan_after(auto_steps: list[dict[str, float]], step: int) -> int | None:
@@ -65,37 +80,52 @@ def replan_after(auto_steps: list[dict[str, float]], step: int) -> int | None:
                  if s["step"] >= step and s["replans"] > before), None)
 
 
-def _compare(rows: dict[str, Any], target: float, steps: slice) -> dict[str, Any]:
-    """auto against the fastest fixed row and the baselines over the timed steps `steps`
-    (indices into each row's step_times, the same steps for every row)."""
-    auto = rows["auto"]["step_times"][steps]
-    fixed = {n: r["step_times"][steps] for n, r in rows.items() if n.startswith("fixed_")}
+def _samples(row: dict[str, Any], steps: list[slice], unit: str) -> list[float]:
+    """A row's samples over its timed steps `steps` (one slice per repeat): each step
+    ('step') or each repeat's mean ('repeat')."""
+    parts = [r["step_times"][s] for r, s in zip(repeats(row), steps, strict=True)]
+    if unit == "repeat":
+        return [statistics.fmean(p) for p in parts]
+    return [t for p in parts for t in p]
+
+
+def _compare(rows: dict[str, Any], target: float, steps: list[slice]) -> dict[str, Any]:
+    """auto against the fastest fixed row and the baselines over the timed steps `steps` (a
+    slice per repeat: indices into each repeat's step_times, the same for every row)."""
+    unit = "repeat" if len(steps) > 1 else "step"
+    auto = _samples(rows["auto"], steps, unit)
+    fixed = {n: _samples(r, steps, unit) for n, r in rows.items() if n.startswith("fixed_")}
     if not fixed:
         raise ValueError("no fixed_CANDIDATE rows to compare auto with")
     best = min(fixed, key=lambda n: statistics.fmean(fixed[n]))
     within = welch(auto, [target * t for t in fixed[best]])
-    choice = int(_choice_at_end(rows["auto"], steps))
+    choices = [int(_choice_at_end(r, s)) for r, s in zip(repeats(rows["auto"]), steps)]
+    names = [DEFAULT_CANDIDATES[c] if c >= 0 else "measuring" for c in choices]
+    steps_of = {n: _samples(r, steps, "step") for n, r in rows.items()}
+    mean_auto = statistics.fmean(steps_of["auto"])
     return {
-        "auto_median_s": statistics.median(auto),
-        "auto_chose": DEFAULT_CANDIDATES[choice] if choice >= 0 else "measuring",
+        "unit": unit,
+        "auto_median_s": statistics.median(steps_of["auto"]),
+        "auto_chose": names[0] if len(set(names)) == 1 else ", ".join(names),
         "fastest_fixed": best,
-        "fastest_median_s": statistics.median(fixed[best]),
-        "ratio_of_means": statistics.fmean(auto) / statistics.fmean(fixed[best]),
+        "fastest_median_s": statistics.median(steps_of[best]),
+        "ratio_of_means": mean_auto / statistics.fmean(steps_of[best]),
         "versus_fastest": _versus(fixed[best], auto)["auto_is"],
         "within_target": ("missed" if within.low > 0 else "met" if within.high < 0
                           else "undecided") if within else "undecided",
         "target": target,
         "baselines": {
-            n: _versus(r["step_times"][steps], auto)
+            n: {**_versus(_samples(r, steps, unit), auto),
+                "ratio_of_means": mean_auto / statistics.fmean(steps_of[n])}
             for n, r in rows.items() if n != "auto" and not n.startswith("fixed_")
         },
     }
 
 
 def _choice_at_end(auto: dict[str, Any], steps: slice) -> float:
-    """auto's choice at the last of its timed steps `steps`: from its per-step records (whose
-    last len(step_times) are the timed steps), or the run's last plan in results older than
-    those records."""
+    """auto's choice at the last of its timed steps `steps` in one run: from its per-step
+    records (whose last len(step_times) are the timed steps), or the run's last plan in
+    results older than those records."""
     if "auto_steps" not in auto:
         return auto.get("auto_plan", {}).get("auto_choice", -1)
     timed = auto["auto_steps"][-len(auto["step_times"]):]
@@ -121,10 +151,7 @@ def table(checked: dict[str, dict[str, Any]]) -> str:
                      f"{c['within_target']} ({c['target']}x) |")
     for network, c in checked.items():
         if "replanned_at" in c:
-            when = ("never re-planned after the link changed" if c["replanned_at"] is None else
-                    f"re-planned at step {c['replanned_at']}, {c['steps_to_replan']} steps "
-                    "after the link changed")
-            lines += ["", f"{network}: auto {when}"]
+            lines += ["", f"{network}: auto {_replans(c)}"]
     names = sorted({n for c in checked.values() for n in c["baselines"]})
     if names:
         lines += ["", "| link | " + " | ".join(f"auto / {n}" for n in names) + " |",
@@ -134,6 +161,18 @@ def table(checked: dict[str, dict[str, Any]]) -> str:
                      else "-" for n in names]
             lines.append(f"| {network} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _replans(c: dict[str, Any]) -> str:
+    """When auto re-planned after the link changed, in words (each repeat's, if several)."""
+    if c["replanned_at"] is None:
+        return "never re-planned after the link changed"
+    if isinstance(c["replanned_at"], int):
+        return (f"re-planned at step {c['replanned_at']}, {c['steps_to_replan']} steps after "
+                "the link changed")
+    return "re-planned " + ", ".join(
+        "never" if at is None else f"at step {at} ({late} steps after the change)"
+        for at, late in zip(c["replanned_at"], c["steps_to_replan"])) + " in the repeats"
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:

@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every algorithm this many times, interleaved (A B C A B C ...), so "
+                        "that the machine's drift over the run falls on every arm alike; each "
+                        "row keeps its repeats' steps (benchmarks.auto_check compares their "
+                        "means)")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where the trainers compute and the copy is timed: cuda (the workers "
                         "share this machine's GPUs as the training CLI places them), cpu, or "
@@ -109,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--bandwidth-change STEP:RATE, e.g. 40:100mbit: {exc}")
     if args.steps <= args.skip:
         p.error("--steps must be larger than --skip")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     args.device = resolve_device(args.device, p)
     return args
 
@@ -184,6 +191,19 @@ def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Pa
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
             "step_times": times, "bytes_per_step": payload, "wire_s_of_bytes": wire_s,
             **({"auto_plan": plan, "auto_steps": auto_steps} if plan else {})}
+
+
+def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from an algorithm's repeats: a single run as it is; several with their timed
+    steps pooled (median, min, max, step_times over all of them), the last run's bytes and
+    plan, and each run kept under 'repeats' (its step_times, median and auto's steps)."""
+    if len(runs) == 1:
+        return runs[0]
+    pooled = [t for r in runs for t in r["step_times"]]
+    kept = ("step_s", "step_times", "auto_plan", "auto_steps")
+    return {**runs[-1], "step_s": statistics.median(pooled), "step_s_min": min(pooled),
+            "step_s_max": max(pooled), "step_times": pooled,
+            "repeats": [{k: r[k] for k in kept if k in r} for r in runs]}
 
 
 def _payload(evals: list[dict[str, Any]], period: int) -> float:
@@ -285,11 +305,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["copy_s"] = copy_seconds(gradient_numel(args.dnn, args.dataset), args.workers,
                                         device=args.device)
         for rate in networks:
-            rows = {}
-            for name in args.algorithms:
-                print(f"{rate or 'loopback'}: {name} ...", flush=True)
-                rows[name] = run_algorithm(args, name, rate, Path(tmp) / f"{rate}-{name}")
-            result["networks"][rate or "loopback"] = rows
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.algorithms}
+            for repeat in range(args.repeats):
+                which = f" (repeat {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
+                for name in args.algorithms:
+                    print(f"{rate or 'loopback'}: {name}{which} ...", flush=True)
+                    runs[name].append(run_algorithm(args, name, rate,
+                                                    Path(tmp) / f"{rate}-{name}-{repeat}"))
+            result["networks"][rate or "loopback"] = {name: merge_repeats(r)
+                                                      for name, r in runs.items()}
     add_bounds(result)
     return result
 
@@ -299,7 +323,9 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"{c['dnn']}, batch {c['batch_size']}/worker, {c['workers']} workers on "
              f"{c.get('device', 'cpu')}"
              f"{' under horovodrun' if c.get('launcher') == 'horovodrun' else ''}, median s per "
-             f"training step (steps {c['skip']}..{c['steps'] - 1}); compute only "
+             f"training step (steps {c['skip']}..{c['steps'] - 1}"
+             f"{f' of {r} interleaved repeats' if (r := c.get('repeats', 1)) > 1 else ''}); "
+             "compute only "
              f"{result['compute_only']['step_s']:.3f} s, one copy of the gradient "
              f"{result['copy_s']:.4f} s; bound: compute only + wire s + {COPIES_IN_BOUND} copies"]
     if not result["emulated"]:

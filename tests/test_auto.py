@@ -444,6 +444,50 @@ def test_the_check_of_a_link_change_compares_before_it_and_after_the_replan():
     assert kept["ratio_of_means"] > 1.15  # the slow steps before the re-plan count now
 
 
+def test_the_check_of_interleaved_repeats_takes_each_repeats_mean_as_one_sample():
+    """With train_step --repeats, a verdict's samples are the repeats' means (independent
+    runs), not the steps: three repeats whose steps are tight but whose means scatter with the
+    machine's drift leave 'auto within 1.05x' undecided, where pooling the steps would call
+    it met. A link change is compared per repeat, after each repeat's own re-plan."""
+    from benchmarks.auto_check import check, table
+
+    def run(level, choice=2):
+        return {"step_times": [level, level * 1.001, level * 0.999],
+                "auto_steps": [{"step": s, "choice": choice, "replans": 1.0} for s in range(5)]}
+
+    drift = (1.0, 1.3, 0.8)
+    rows = {"auto": {"repeats": [run(d * 1.01) for d in drift]},
+            "fixed_dense": {"repeats": [run(d * 1.0) for d in drift]},
+            "ddp": {"repeats": [run(d * 1.2) for d in drift]}}
+    for name, row in rows.items():
+        row["step_times"] = [t for r in row["repeats"] for t in r["step_times"]]
+    checked = check({"networks": {"1gbit": rows}}, 1.05)["1gbit"]
+    assert checked["unit"] == "repeat" and checked["within_target"] == "undecided"
+    assert checked["versus_fastest"] == "level" and checked["auto_chose"] == DEFAULT_CANDIDATES[2]
+    assert checked["ratio_of_means"] == pytest.approx(1.01)
+    assert checked["baselines"]["ddp"]["ratio_of_means"] == pytest.approx(1.01 / 1.2)
+    # one run per arm: every step a sample, and the same drift-free steps say 'met'
+    single = {n: {"step_times": r["repeats"][0]["step_times"]} for n, r in rows.items()}
+    alone = check({"networks": {"1gbit": single}}, 1.05)["1gbit"]
+    assert alone["unit"] == "step" and alone["within_target"] == "met"
+
+    # a link change at step 6 (skip 2): repeat 0 re-planned at step 8, repeat 1 at step 10
+    def changed(replan):
+        return {"step_times": [1.0] * 4 + [3.0] * (replan + 1 - 6) + [2.0] * (13 - replan),
+                "auto_steps": [{"step": s, "choice": 2 if s < replan else 4,
+                                "replans": 0.0 if s < replan else 1.0} for s in range(14)]}
+
+    auto = {"repeats": [changed(8), changed(10)]}
+    fixed = {"repeats": [{"step_times": [1.0] * 4 + [2.0] * 8}] * 2}
+    result = {"config": {"skip": 2, "bandwidth_change": "6:100mbit"},
+              "networks": {"1gbit": {"auto": auto, "fixed_spardl@0.001": fixed}}}
+    after = check(result, 1.05)["100mbit after the re-plan"]
+    assert after["replanned_at"] == [8, 10] and after["steps_to_replan"] == [2, 4]
+    assert after["auto_chose"] == DEFAULT_CANDIDATES[4] and after["ratio_of_means"] == 1.0
+    assert "at step 8 (2 steps after the change), at step 10 (4 steps after the change)" \
+        in table(check(result, 1.05))
+
+
 def test_auto_between_fsdp2_replicas_keeps_them_identical(launch):
     per_rank = launch("gloo", 4, "fsdp_scenarios.auto_between_replicas")
     for shard in (0, 1):

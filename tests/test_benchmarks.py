@@ -701,6 +701,35 @@ def test_training_step_benchmark_takes_loopback_a_changing_link_and_a_language_m
         assert message in capsys.readouterr().err, bad
 
 
+def test_training_step_benchmark_interleaves_repeats_and_pools_their_steps(monkeypatch):
+    """--repeats R runs the arms A B A B (not A A B B), so that the machine's drift falls on
+    both; each row pools its repeats' timed steps and keeps every repeat's own."""
+    from benchmarks import train_step
+    order = []
+
+    def fake(args, name, rate, out):
+        order.append((name, out.name))
+        base = {"ddp": 1.0, "spardl": 2.0}[name] + len(order) / 100
+        return {"step_s": base, "step_times": [base, base + 0.5], "bytes_per_step": 10.0,
+                "wire_s_of_bytes": None}
+
+    monkeypatch.setattr(train_step, "run_algorithm", fake)
+    monkeypatch.setattr(train_step, "compute_only", lambda args, tmp: {"step_s": 0.5})
+    monkeypatch.setattr(train_step, "copy_seconds", lambda *a, **k: 0.01)
+    monkeypatch.setattr(train_step, "available", lambda: "no namespaces here")
+    args = train_step.parse_args(["--dnn", "fashioncnn", "--algorithms", "ddp,spardl",
+                                  "--repeats", "2", "--device", "cpu"])
+    rows = train_step.run(args)["networks"]["loopback"]
+    assert [name for name, _ in order] == ["ddp", "spardl", "ddp", "spardl"]
+    assert len({out for _, out in order}) == 4  # each run its own folder
+    assert rows["ddp"]["step_times"] == [1.01, 1.51, 1.03, 1.53]
+    assert [r["step_times"] for r in rows["ddp"]["repeats"]] == [[1.01, 1.51], [1.03, 1.53]]
+    assert rows["ddp"]["step_s"] == pytest.approx(1.27) and rows["ddp"]["step_s_min"] == 1.01
+    assert train_step.merge_repeats([{"step_times": [1.0]}]) == {"step_times": [1.0]}
+    with pytest.raises(SystemExit):
+        train_step.parse_args(["--repeats", "0"])
+
+
 def test_training_step_benchmark_takes_the_fronts_configs(tmp_path):
     """The ablation's config names (issue 39's front) at their steady state: the warm-up left
     out, PowerSGD from step 2, post-local SGD's step the mean over its periods after its start;
