@@ -13,10 +13,13 @@ step's tensors the alpha-beta cost of c's messages: a ring all-reduce of the ten
 for the dense ones (the all-reduce's fitted alpha and beta), SparDL's Spar-Reduce-Scatter
 rounds and Bruck all-gather for the sparse ones (the point-to-point fit; the same schedules
 and message sizes as the implementation, spardl_grace.communicators.schedules and
-spardl_grace.compact), plus SparDL's local selection (measured seconds per entry at that
-density) and a measured correction where a candidate's real synchronisation was seen to
-differ from its prediction. The model is the one benchmarks.costmodel validates (there with
-per-op traces and token buckets); this is its small, closed form.
+spardl_grace.compact), plus SparDL's local work: its selection (measured seconds per entry of
+the tensor at that density) and the coding of what it keeps (measured seconds per kept entry:
+encoding a message, taking it out of the sender's block, decoding it and adding it in at the
+receiver, times the entries a rank codes a step, spardl_coded_entries), and a measured
+correction where a candidate's real synchronisation was seen to differ from its prediction.
+The model is the one benchmarks.costmodel validates (there with per-op traces and token
+buckets); this is its small, closed form.
 
 The choice is the least compression among the near-fastest: of the candidates whose
 predicted step is within `budget` (5%) of the fastest's, the one that sends the most bytes,
@@ -156,6 +159,15 @@ def _spardl_messages(numel: int, size: int, density: float) -> list[int]:
     return messages + [pieces * piece + frame_overhead(pieces) for _, pieces in bruck_rounds(size)]
 
 
+def spardl_coded_entries(numel: int, size: int, density: float) -> int:
+    """Entries one rank codes in a SparDL step over a tensor of `numel` (one team): k_b for
+    each Spar-Reduce-Scatter message it sends (and each it receives and adds in, as many) and
+    for each of the size - 1 final pieces of the all-gather it decodes."""
+    block = math.ceil(numel / size)
+    kb = min(block, max(1, math.floor(block * density)))
+    return kb * (sum(rnd.blocks for rnd in srs_schedule(size)) + size - 1)
+
+
 def sync_bytes(candidate: Candidate, numels: Sequence[int], size: int, min_entries: int) -> float:
     """Bytes a rank sends in one step of `candidate` over tensors of `numels` (what
     last_stats' 'bytes_sent' counts: payload and framing)."""
@@ -179,10 +191,12 @@ def sync_seconds(
     link: Link,
     local_s_per_entry: float = 0.0,
     min_entries: int = 0,
+    coding_s_per_entry: float = 0.0,
 ) -> float:
     """Predicted seconds one step of `candidate` spends synchronising tensors of `numels`
     over `link` (before any measured correction); local_s_per_entry: the candidate's own work
-    per entry on this rank (SparDL's selection at its density, dense16's casts)."""
+    per entry of the tensors on this rank (SparDL's selection at its density, dense16's
+    casts); coding_s_per_entry: SparDL's work per entry it codes (spardl_coded_entries)."""
     if size == 1:
         return 0.0
     local = local_s_per_entry * sum(numels)
@@ -195,6 +209,7 @@ def sync_seconds(
     for n in numels:
         density = floored_density(candidate.density, n, min_entries)
         total += sum(link.p2p.seconds(b) for b in _spardl_messages(n, size, density))
+        total += coding_s_per_entry * spardl_coded_entries(n, size, density)
     return total
 
 

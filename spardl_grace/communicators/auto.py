@@ -3,7 +3,8 @@
 Its first `measure_steps` steps are synchronised dense (float32), and it measures what a step
 spends outside synchronisation (compute). Then every rank probes the link on the library's
 own channel (point-to-point messages and all-reduces of a few sizes, spardl_grace.planner's
-fit) and times SparDL's local selection at each candidate density; rank 0 predicts each
+fit) and times SparDL's local work: its selection at each candidate density and the coding of
+a message per entry it keeps; rank 0 predicts each
 candidate's step (spardl_grace.planner), picks the least compression within `budget` of the
 fastest, and broadcasts the plan, so every rank takes rank 0's decision (the ranks' agreement
 checks it with the rest of the settings on the next step). The plan is in last_stats on each
@@ -34,6 +35,7 @@ import torch
 
 from ..api import DEFAULT_MIN_ENTRIES, Memory, Synchronizer
 from ..compact import CompactCodec
+from ..payload import PayloadCodec
 from ..planner import (
     DEFAULT_CANDIDATES,
     NO_LINK,
@@ -60,6 +62,8 @@ PROBE_BUDGET_S = 0.025
 PROBE_REPEATS = 3
 #: entries of the tensor SparDL's selection is timed on (at most)
 SELECTION_PROBE_NUMEL = 1 << 21
+#: entries of the message SparDL's coding is timed on (at most): enough for a per-entry figure
+CODING_PROBE_ENTRIES = 1 << 16
 #: a measured correction stays within these factors of the model
 CORRECTION_RANGE = (0.25, 8.0)
 
@@ -130,12 +134,15 @@ def probe_link(transport: Transport, device: torch.device, name: str) -> Link:
 
 
 def local_seconds_per_entry(
-    densities: Sequence[float], numel: int, size: int, device: torch.device
-) -> tuple[list[float], float]:
-    """Seconds per entry of each candidate's own work on a rank, timed here on a tensor of
-    min(numel, SELECTION_PROBE_NUMEL) random entries: SparDL's top-k selection at each of
-    `densities`, and dense16's casts (Dense16.reduce's passes before and after its
-    all-reduce)."""
+    densities: Sequence[float], numel: int, size: int, device: torch.device, codec: PayloadCodec
+) -> tuple[list[float], float, float]:
+    """Seconds of each candidate's own work on a rank, timed here on a block of
+    min(numel, SELECTION_PROBE_NUMEL) random entries: per entry of the block, SparDL's top-k
+    selection at each of `densities` and dense16's casts (Dense16.reduce's passes before and
+    after its all-reduce); per entry kept, SparDL's coding of one message at the densest of
+    `densities` (at most CODING_PROBE_ENTRIES entries) with `codec` (encode, take it out of
+    the sender's block, decode, add it into the receiver's: what
+    spardl_grace.planner.spardl_coded_entries counts)."""
     n = max(1, min(numel, SELECTION_PROBE_NUMEL))
     sample = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
 
@@ -148,7 +155,21 @@ def local_seconds_per_entry(
         _median_seconds(lambda d=d: topk_abs(sample, count_for_ratio(n, d)), 3, device) / n
         for d in densities
     ]
-    return selection, _median_seconds(casts, 3, device) / n
+    kept = min(count_for_ratio(n, max(densities, default=0.01)), CODING_PROBE_ENTRIES)
+    chosen = topk_abs(sample, kept)
+    sender, receiver = sample.clone(), torch.zeros_like(sample)
+
+    def coding() -> None:
+        encoded = codec.encode(sender, chosen, "auto.coding")
+        sender.index_add_(0, encoded.indices, encoded.values, alpha=-1)
+        indices, values = codec.decode(encoded.data, n, sample.dtype, device, "auto.coding")
+        receiver.index_add_(0, indices, values)
+
+    return (
+        selection,
+        _median_seconds(casts, 3, device) / n,
+        _median_seconds(coding, 3, device) / kept,
+    )
 
 
 class Auto(Synchronizer):
@@ -303,15 +324,17 @@ class Auto(Synchronizer):
         size = self.transport.size
         sparse = [c for c in self._candidates if c.kind == "spardl"]
         numels = list(self._last_numels.values())
-        select, casts = local_seconds_per_entry(
-            [c.density for c in sparse], max(numels, default=1), size, device
+        select, casts, coding = local_seconds_per_entry(
+            [c.density for c in sparse], max(numels, default=1), size, device, self._sparse.codec
         )
         local_of = {c.name: s for c, s in zip(sparse, select)}
         local_of.update({c.name: casts for c in self._candidates if c.kind == "dense16"})
         compute = statistics.median(self._compute) if self._compute else 0.0
         corrections = dict(self._corrections)
         model = {
-            c.name: sync_seconds(c, numels, size, link, local_of.get(c.name, 0.0), self.min_entries)
+            c.name: sync_seconds(
+                c, numels, size, link, local_of.get(c.name, 0.0), self.min_entries, coding
+            )
             for c in self._candidates
         }
         dense = sync_seconds(Candidate("dense", "dense"), numels, size, link)
