@@ -24,6 +24,12 @@ Variants:
                   lr m_w / sqrt(v), linear in its own momentum, so at density 1 the average is
                   exactly AdamW's frozen step on the average gradient (1-bit Adam's update),
                   and the top-k selects by the size of the step it would take
+  update_localfrozen
+                  as update for --dense-steps (no dense synchronisation: each worker's AdamW
+                  on its own gradient, its step exchanged top-k with error feedback), then
+                  the workers' second moments averaged once (one dense exchange of v) and
+                  frozen, and each worker's frozen-variance step exchanged as in
+                  update_frozen: the frozen variance without the dense start's bytes
 
 It also records, per variant, how far each parameter entry moved over the run against dense
 AdamW's movement (the ratio of the L2 norms of the total displacement, and of the sum of each
@@ -45,7 +51,8 @@ from torch.nn import functional as F
 from testbed.models import DecoderLM
 from testbed.text import CHAR_VOCAB, load_wikipedia_chars
 
-VARIANTS = ("dense", "topk", "frozen", "preconditioned", "update", "update_frozen")
+VARIANTS = ("dense", "topk", "frozen", "preconditioned", "update", "update_frozen",
+            "update_localfrozen")
 BETAS, EPS = (0.9, 0.95), 1e-8
 
 
@@ -56,7 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
     p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--select", default="topk", choices=("topk", "sign", "sign2"),
+                   help="update_frozen's compression: top-k at --density, 1-bit signs "
+                        "averaged, or signs averaged and sent again as signs (sign2: 1-bit "
+                        "Adam's compressed all-reduce, error feedback on both sides)")
     p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--mask-momentum", action="store_true",
+                   help="update_frozen with top-k: zero each worker's momentum where it sent "
+                        "(DGC's momentum factor masking)")
     p.add_argument("--dense-steps", type=int, default=60, help="frozen, preconditioned")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -79,6 +93,32 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
         return args.lr * (step + 1) / args.warmup_steps
     progress = (step - args.warmup_steps) / max(args.steps - args.warmup_steps, 1)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def sign_average(grads: list[torch.Tensor], residuals: list[torch.Tensor],
+                 sizes: list[int]) -> torch.Tensor:
+    """The average of each worker's sign of (residual + gradient) times its mean magnitude per
+    parameter tensor (1-bit Adam's compression, one bit an entry); residuals keep the rest."""
+    out = torch.zeros_like(grads[0])
+    for g, e in zip(grads, residuals):
+        e.add_(g)
+        scale = torch.cat([c.abs().mean().expand(c.numel()) for c in e.split(sizes)])
+        sent = e.sign() * scale
+        out += sent
+        e.sub_(sent)
+    return out.div_(len(grads))
+
+
+def sign_twice(grads: list[torch.Tensor], residuals: list[torch.Tensor], server: torch.Tensor,
+               sizes: list[int]) -> torch.Tensor:
+    """1-bit Adam's compressed all-reduce: sign_average, then the average itself sent as signs
+    times its mean magnitude per tensor, with the server's own error feedback (`server`), as
+    the rank owning each chunk sends it back to all."""
+    average = sign_average(grads, residuals, sizes).add_(server)
+    scale = torch.cat([c.abs().mean().expand(c.numel()) for c in average.split(sizes)])
+    sent = average.sign() * scale
+    server.copy_(average - sent)
+    return sent
 
 
 def topk_average(grads: list[torch.Tensor], residuals: list[torch.Tensor], k: int) -> torch.Tensor:
@@ -107,6 +147,7 @@ class Probe:
             if variant.startswith("update") else []
         self.v_frozen: torch.Tensor | None = None
         self.residuals = [torch.zeros(n) for _ in range(args.workers)]
+        self.server = torch.zeros(n)  # sign2's error feedback of the averaged step
         self.k = max(1, round(args.density * n))
         self.start = self.flat().clone()
         self.path = torch.zeros(n)  # sum of |update| per entry
@@ -130,7 +171,14 @@ class Probe:
         dense_phase = self.variant == "dense" or (
             self.variant in ("frozen", "preconditioned", "update_frozen")
             and step < args.dense_steps)
-        if self.variant == "update_frozen" and not dense_phase:
+        if self.variant == "update_localfrozen" and self.v_frozen is None:
+            self._apply(self._update_average(step, grads, lr)
+                        + lr * args.weight_decay * self.decay * self.flat())
+            if step == args.dense_steps - 1:
+                t = step + 1
+                self.v_frozen = torch.stack([v for _, v in self.local]).mean(0) / (1 - BETAS[1] ** t)
+            return
+        if self.variant in ("update_frozen", "update_localfrozen") and not dense_phase:
             self._apply(self._frozen_update_average(step, grads, lr)
                         + lr * args.weight_decay * self.decay * self.flat())
             return
@@ -182,6 +230,15 @@ class Probe:
                 g = g * (self.args.clip_norm / norm)
             m.lerp_(g, 1 - BETAS[0])
             steps.append(lr * (m / (1 - BETAS[0] ** (step + 1))) / scale)
+        if self.args.mask_momentum and self.args.select == "topk":
+            sent = topk_average(steps, self.residuals, self.k)
+            for e, (m, _) in zip(self.residuals, self.local):
+                m[e == 0] = 0  # DGC's momentum factor masking: a sent entry's momentum is spent
+            return sent
+        if self.args.select == "sign2":
+            return sign_twice(steps, self.residuals, self.server, [p.numel() for p in self.params])
+        if self.args.select == "sign":
+            return sign_average(steps, self.residuals, [p.numel() for p in self.params])
         return topk_average(steps, self.residuals, self.k)
 
     def _apply(self, update: torch.Tensor) -> None:
