@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="runs at a time (each is --workers processes; one GPU can hold several)")
     p.add_argument("--out", default="runs/ablation")
     p.add_argument("--report", action="store_true",
-                   help="run nothing: tabulate the finished runs in OUT (any configs and seeds)")
+                   help="run nothing: tabulate the finished runs in OUT (any configs and "
+                        "seeds; a run also tabulates every finished run in OUT)")
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error("--parallel must be >= 1")
@@ -171,15 +172,16 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if args.report:
-        results = [json.loads(r.read_text("run.json")) for r in runs_under(args.out, "run.json")]
-        configs = list(dict.fromkeys(r["config"] for r in results))
-        args.configs = sorted(configs, key=lambda c: (c != "dense", c.count("+"), c))
-        args.seeds = sorted({r["seed"] for r in results})
-    else:
+    if not args.report:
         jobs = [(config, seed) for seed in args.seeds for config in args.configs]
         with ThreadPoolExecutor(args.parallel) as pool:  # each run is its own processes
-            results = list(pool.map(lambda job: run(args, *job), jobs))
+            list(pool.map(lambda job: run(args, *job), jobs))
+    # The folder's summary covers every finished run in it, this command's and earlier ones',
+    # so that adding a config or a seed to a recorded folder keeps the rest of its table.
+    results = [json.loads(r.read_text("run.json")) for r in runs_under(args.out, "run.json")]
+    configs = list(dict.fromkeys(r["config"] for r in results))
+    args.configs = sorted(configs, key=lambda c: (c != "dense", c.count("+"), c))
+    args.seeds = sorted({r["seed"] for r in results})
     rows = summarise(results, args.configs)
     text = markdown(rows, args)
     (Path(args.out) / "summary.md").write_text(text)

@@ -778,7 +778,8 @@ def test_ablation_configs_for_the_accuracy_per_byte_front():
 
 def test_ablation_runs_in_parallel_give_what_sequential_runs_give(tmp_path):
     """--parallel only overlaps whole runs (each its own processes): the same seeds give the
-    same results as one run at a time, and every config lands in the summary."""
+    same results as one run at a time, and every config lands in the summary, also after a
+    later command in the same folder."""
     from experiments import ablation
     common = ["--dnn", "fashioncnn", "--configs", "dense,spardl+warmup16", "--seeds", "0",
               "--workers", "2", "--train-samples", "512", "--test-samples", "200",
@@ -789,6 +790,10 @@ def test_ablation_runs_in_parallel_give_what_sequential_runs_give(tmp_path):
     for a, b in zip(together, alone):
         assert a["test_accuracy"] == b["test_accuracy"] and a["train_loss"] == b["train_loss"]
     assert together[1]["bytes_run"]["mean"] < together[0]["bytes_run"]["mean"]
+    # A later command in the same folder (one config, already finished: not run again) keeps
+    # every finished run in the folder's summary, not only its own.
+    again = ablation.main([*common[:3], "dense", *common[4:], "--out", str(tmp_path / "together")])
+    assert again == together
 
 
 def test_an_ablation_run_cut_off_resumes_and_reports_the_whole_run(tmp_path):
