@@ -85,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown variant {bad[0]!r}; valid choices: {', '.join(VARIANTS)}")
+    frozen = {"update_frozen", "update_localfrozen"}
+    if (args.select != "topk" or args.mask_momentum) and not frozen & set(args.variants):
+        p.error("--select and --mask-momentum change update_frozen and update_localfrozen only")
+    if args.mask_momentum and args.select != "topk":
+        p.error("--mask-momentum zeroes the momentum where top-k sent: use --select topk")
     return args
 
 
@@ -175,8 +180,8 @@ class Probe:
             self._apply(self._update_average(step, grads, lr)
                         + lr * args.weight_decay * self.decay * self.flat())
             if step == args.dense_steps - 1:
-                t = step + 1
-                self.v_frozen = torch.stack([v for _, v in self.local]).mean(0) / (1 - BETAS[1] ** t)
+                average = torch.stack([v for _, v in self.local]).mean(0)
+                self.v_frozen = average / (1 - BETAS[1] ** (step + 1))
             return
         if self.variant in ("update_frozen", "update_localfrozen") and not dense_phase:
             self._apply(self._frozen_update_average(step, grads, lr)

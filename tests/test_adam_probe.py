@@ -42,7 +42,12 @@ def test_the_signs_send_one_magnitude_per_tensor():
     assert out[:100].abs().unique().numel() == 1 and out[100:].abs().unique().numel() == 1
 
 
-def test_an_unknown_variant_is_refused_naming_the_valid_ones(capsys):
-    with pytest.raises(SystemExit):
-        parse_args(["--variants", "nope"])
-    assert "update_localfrozen" in capsys.readouterr().err
+def test_an_unknown_variant_or_an_option_it_ignores_is_refused(capsys):
+    for argv, message in ((["--variants", "nope"], "update_localfrozen"),
+                          (["--variants", "dense", "--select", "sign"], "update_frozen"),
+                          (["--variants", "update_frozen", "--select", "sign",
+                            "--mask-momentum"], "--select topk")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err, argv
+    assert parse_args(["--variants", "update_frozen", "--mask-momentum"]).mask_momentum
