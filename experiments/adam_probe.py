@@ -100,15 +100,21 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def signs(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """What one bit an entry sends of `x`: its sign times the mean magnitude of each parameter
+    tensor (the consecutive pieces of `sizes` entries)."""
+    scale = torch.cat([c.abs().mean().expand(c.numel()) for c in x.split(sizes)])
+    return x.sign() * scale
+
+
 def sign_average(grads: list[torch.Tensor], residuals: list[torch.Tensor],
                  sizes: list[int]) -> torch.Tensor:
-    """The average of each worker's sign of (residual + gradient) times its mean magnitude per
-    parameter tensor (1-bit Adam's compression, one bit an entry); residuals keep the rest."""
+    """The average of each worker's signs of (residual + gradient) (1-bit Adam's compression,
+    one bit an entry); residuals keep the rest."""
     out = torch.zeros_like(grads[0])
     for g, e in zip(grads, residuals):
         e.add_(g)
-        scale = torch.cat([c.abs().mean().expand(c.numel()) for c in e.split(sizes)])
-        sent = e.sign() * scale
+        sent = signs(e, sizes)
         out += sent
         e.sub_(sent)
     return out.div_(len(grads))
@@ -120,8 +126,7 @@ def sign_twice(grads: list[torch.Tensor], residuals: list[torch.Tensor], server:
     times its mean magnitude per tensor, with the server's own error feedback (`server`), as
     the rank owning each chunk sends it back to all."""
     average = sign_average(grads, residuals, sizes).add_(server)
-    scale = torch.cat([c.abs().mean().expand(c.numel()) for c in average.split(sizes)])
-    sent = average.sign() * scale
+    sent = signs(average, sizes)
     server.copy_(average - sent)
     return sent
 

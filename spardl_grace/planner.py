@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .communicators.schedules import bruck_rounds, srs_schedule
+from .communicators.spardl import block_layout
 from .compact import message_bytes
 from .payload import frame_overhead
 from .transport.counting import ring_allreduce_bytes
@@ -152,8 +153,7 @@ def _spardl_messages(numel: int, size: int, density: float) -> list[int]:
     """The bytes of each message a rank sends in one SparDL step (one team, compact wire):
     Spar-Reduce-Scatter's one block per message, then the Bruck rounds of the final blocks
     (framed: several blocks go in one message)."""
-    block = math.ceil(numel / size)
-    kb = min(block, max(1, math.floor(block * density)))
+    block, kb = block_layout(numel, size, density)
     piece = message_bytes(kb, block)
     messages = [piece for rnd in srs_schedule(size) for _ in range(rnd.blocks)]
     return messages + [pieces * piece + frame_overhead(pieces) for _, pieces in bruck_rounds(size)]
@@ -163,8 +163,7 @@ def spardl_coded_entries(numel: int, size: int, density: float) -> int:
     """Entries one rank codes in a SparDL step over a tensor of `numel` (one team): k_b for
     each Spar-Reduce-Scatter message it sends (and each it receives and adds in, as many) and
     for each of the size - 1 final pieces of the all-gather it decodes."""
-    block = math.ceil(numel / size)
-    kb = min(block, max(1, math.floor(block * density)))
+    _, kb = block_layout(numel, size, density)
     return kb * (sum(rnd.blocks for rnd in srs_schedule(size)) + size - 1)
 
 

@@ -49,6 +49,13 @@ from .schedules import srs_schedule
 H_GAIN = 0.5  # weight of the new estimate in the adaptive-h update (the rest is inertia)
 
 
+def block_layout(numel: int, team_size: int, density: float) -> tuple[int, int]:
+    """(B, k_b): SparDL's block length and per-block budget for a tensor of `numel` entries
+    split among `team_size` workers at `density` (at least one entry a non-empty block)."""
+    block = math.ceil(numel / team_size)
+    return block, min(block, max(1, math.floor(block * density)))
+
+
 class SparDL(CodedAllreduce):
     """The 'spardl' communicator. Use with memory 'global_residual' (or 'none' to drop residuals).
 
@@ -82,9 +89,7 @@ class SparDL(CodedAllreduce):
     def block_layout(self, numel: int, density: float | None = None) -> tuple[int, int]:
         """(B, k_b): block length and per-block budget for a tensor of `numel` entries at
         `density` (the steady-state density if None)."""
-        density = self.density if density is None else density
-        block = math.ceil(numel / self.team_size)
-        return block, (min(block, max(1, math.floor(block * density))) if block else 0)
+        return block_layout(numel, self.team_size, self.density if density is None else density)
 
     def h_for(self, name: str, numel: int, density: float | None = None) -> int:
         """Entries each block owner contributes to the cross-team exchange for `name` at
