@@ -108,6 +108,8 @@ def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -
         params["powersgd_rank"] = args.powersgd_rank
     if args.momentum_correction:
         params["momentum_correction"] = args.momentum_correction
+    if not args.momentum_masking:
+        params["momentum_masking"] = False
     if args.local_clip_norm is not None:
         params["local_clip_norm"] = args.local_clip_norm
     if args.deepreduce:
@@ -207,6 +209,9 @@ def _compression(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum-correction", type=float, default=None,
                    help="DGC's momentum correction m for a sparse all-reduce (SGD then runs "
                         "without momentum)")
+    p.add_argument("--no-momentum-masking", dest="momentum_masking", action="store_false",
+                   help="with --momentum-correction: keep the velocity where the result was "
+                        "applied (no DGC momentum factor masking)")
     p.add_argument("--local-clip-norm", type=float, default=None,
                    help="DGC's local gradient clipping: each worker's gradient to this L2 norm "
                         "/ sqrt(P) (sparse all-reduces)")
@@ -416,11 +421,12 @@ def _check_paths(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         if args.resume != "never":
             p.error(f"--resume: {args.compressor}'s hook state is not checkpointed; resume works "
                     "with this library's algorithms")
-        if args.momentum_correction or args.local_clip_norm is not None or args.deepreduce \
+        if args.momentum_correction or not args.momentum_masking \
+                or args.local_clip_norm is not None or args.deepreduce \
                 or args.wire is not None or args.min_entries is not None:
             p.error(f"{args.compressor} is torch's own DDP path: --momentum-correction, "
-                    "--local-clip-norm, --deepreduce, --wire and --min-entries belong to this "
-                    "library's algorithms")
+                    "--no-momentum-masking, --local-clip-norm, --deepreduce, --wire and "
+                    "--min-entries belong to this library's algorithms")
     else:
         from spardl_grace.registry import resolve_params
         try:

@@ -75,10 +75,14 @@ COMPRESSORS: dict[str, Callable[[dict], Compressor]] = {
 MEMORIES: dict[str, Callable[[dict], Memory]] = {
     "none": lambda p: M.NoneMemory(),
     "residual": lambda p: M.ResidualMemory(
-        momentum_correction=p["momentum_correction"], local_clip_norm=p["local_clip_norm"]
+        momentum_correction=p["momentum_correction"],
+        local_clip_norm=p["local_clip_norm"],
+        momentum_masking=p["momentum_masking"],
     ),
     "global_residual": lambda p: M.GlobalResidualMemory(
-        momentum_correction=p["momentum_correction"], local_clip_norm=p["local_clip_norm"]
+        momentum_correction=p["momentum_correction"],
+        local_clip_norm=p["local_clip_norm"],
+        momentum_masking=p["momentum_masking"],
     ),
     "dgc": lambda p: M.DgcMemory(p["momentum"], p["gradient_clipping"]),
     "efsignsgd": lambda p: M.EFSignSGDMemory(p["lr"]),
@@ -317,6 +321,13 @@ PARAMS: tuple[Param, ...] = (
         "DGC's momentum correction m for memory global_residual or residual with a sparse "
         "all-reduce (0: off)",
         (fraction(low_open=False)[0], "a number in [0, 1) (0 turns it off)"),
+    ),
+    ranged(
+        "momentum_masking",
+        True,
+        "DGC's momentum factor masking with momentum_correction: clear the velocity where the "
+        "result was applied (False keeps it: momentum SGD exactly at density 1)",
+        boolean(),
     ),
     ranged(
         "local_clip_norm",
@@ -654,6 +665,11 @@ def _check_auto(p: dict[str, Any], given: set[str], coded: bool) -> None:
 
 def _check_combination(p: dict[str, Any], coded: bool) -> None:
     comp, mem, comm = p["compressor"], p["memory"], p["communicator"]
+    if not p["momentum_masking"] and not p["momentum_correction"]:
+        raise ValueError(
+            "momentum_masking=False keeps the velocity of momentum correction, which is off: "
+            "set momentum_correction too, or leave momentum_masking at True"
+        )
     if comm == "auto":
         return
     for key in ("momentum_correction", "local_clip_norm"):

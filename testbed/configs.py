@@ -126,6 +126,7 @@ TECHNIQUES = {
     "warmupdense": ["--density-warmup", "0.8", "--density-warmup-start", "1"],
     "lrwarmup": ["--warmup-epochs", "0.25"],
     "mc": ["--momentum-correction", "0.9"],
+    "mcnomask": ["--momentum-correction", "0.9", "--no-momentum-masking"],  # velocity kept
     "clip": ["--local-clip-norm", "5"],
     "compact": ["--wire", "compact"],
     "exact": ["--wire", "exact"],

@@ -54,6 +54,7 @@ def test_every_communicator_refuses_tensors_of_different_sizes_on_every_rank(com
     ("teams", lambda r: {"teams": r + 1} if r == 0 else {"teams": 2}, "communicator.teams: rank 0 1, rank 1 2"),
     ("memory", lambda r: {"memory": ("global_residual", "none")[r]}, 'memory.class: rank 0 "GlobalResidualMemory", rank 1 "NoneMemory"'),
     ("wire", lambda r: {"wire": ("exact", "compact")[r]}, 'communicator.codec.class: rank 0 "IdentityCodec", rank 1 "CompactCodec"'),
+    ("masking", lambda r: {"momentum_correction": 0.9, "momentum_masking": r == 0}, "memory.momentum_masking: rank 0 true, rank 1 false"),
 ])
 def test_ranks_with_different_settings_all_raise_naming_the_setting(what, overrides, field):
     def fn(t):

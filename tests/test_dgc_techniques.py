@@ -17,12 +17,13 @@ from spardl_grace.transport import run_local
 SPARSE = ["spardl", *(p for p in scenarios.PEERS if p != "dense")]
 
 
-def run_mc(size, comm, density, m, n, steps, clip=None, teams=1, wire=None):
+def run_mc(size, comm, density, m, n, steps, clip=None, teams=1, wire=None, masking=True):
     """Per rank, per step: old residual, old velocity, gradient, result, new residual and
     velocity, with momentum correction m on `comm` (on the default wire or `wire`)."""
     def fn(t):
         params = {**scenarios.peer_params(comm, density, wire), "memory": "global_residual",
-                  "compressor": "topk", "momentum_correction": m, "local_clip_norm": clip}
+                  "compressor": "topk", "momentum_correction": m, "local_clip_norm": clip,
+                  "momentum_masking": masking}
         if comm == "spardl":
             params["teams"] = teams
         grc = grace_from_params(params, transport=t)
@@ -41,7 +42,7 @@ def run_mc(size, comm, density, m, n, steps, clip=None, teams=1, wire=None):
     return run_local(size, fn)
 
 
-def check_momentum_correction(per_rank, size, m):
+def check_momentum_correction(per_rank, size, m, masking=True):
     for step in range(len(per_rank[0])):
         result = per_rank[0][step]["result"]
         for rank in range(1, size):
@@ -49,7 +50,7 @@ def check_momentum_correction(per_rank, size, m):
         entered = sum(r[step]["old_r"] + m * r[step]["old_u"] + r[step]["grad"] for r in per_rank)
         kept = sum(r[step]["r"] for r in per_rank)
         assert torch.allclose(entered, size * result + kept, atol=1e-4), f"step {step}"
-        applied = result != 0
+        applied = result != 0 if masking else torch.zeros_like(result, dtype=torch.bool)
         for r in per_rank:
             velocity = m * r[step]["old_u"] + r[step]["grad"]
             assert torch.count_nonzero(r[step]["u"][applied]) == 0
@@ -61,6 +62,15 @@ def check_momentum_correction(per_rank, size, m):
        density=st.sampled_from([0.01, 0.05, 0.3]), m=st.sampled_from([0.5, 0.9, 0.99]))
 def test_momentum_correction_conserves_and_masks_applied_entries(comm, size, n, density, m):
     check_momentum_correction(run_mc(size, comm, density, m, n, steps=3), size, m)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(comm=st.sampled_from(SPARSE), size=st.integers(1, 6), n=st.integers(0, 400),
+       density=st.sampled_from([0.01, 0.3]), m=st.sampled_from([0.5, 0.9]))
+def test_without_masking_the_velocity_is_kept_everywhere_and_mass_is_conserved(
+        comm, size, n, density, m):
+    check_momentum_correction(run_mc(size, comm, density, m, n, steps=3, masking=False),
+                              size, m, masking=False)
 
 
 @pytest.mark.parametrize("teams", [2, 3])
@@ -80,6 +90,58 @@ def test_density_one_applies_every_velocity_and_keeps_none(comm):
         for r in per_rank:
             assert torch.count_nonzero(r[step]["u"]) == 0
             assert torch.count_nonzero(r[step]["r"]) == 0
+
+
+@pytest.mark.parametrize("comm", ["spardl", "topka"])
+def test_density_one_without_masking_sends_the_average_velocity(comm):
+    """momentum_masking=False at density 1: each step sends the ranks' mean velocity
+    u = m*u + g, which is what synchronous SGD with momentum applies; nothing stays behind."""
+    per_rank = run_mc(4, comm, 1.0, 0.9, 300, steps=4, wire="exact", masking=False)
+    velocities = [torch.zeros(300) for _ in per_rank]
+    for step in range(4):
+        for w, r in enumerate(per_rank):
+            velocities[w] = 0.9 * velocities[w] + r[step]["grad"]
+            assert torch.allclose(r[step]["u"], velocities[w], atol=1e-6)
+            assert torch.count_nonzero(r[step]["r"]) == 0
+        assert torch.allclose(per_rank[0][step]["result"] * 4, sum(velocities), atol=1e-5)
+
+
+def _trained(t, params, optimizer, steps=6):
+    """The parameters after `steps` DistributedOptimizer steps with `params` and
+    `optimizer` (lr 0.05), on this rank's data."""
+    model = torch.nn.Linear(6, 3)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    grc = grace_from_params(params, transport=t)
+    opt = DistributedOptimizer(optimizer(model.parameters()), grc,
+                               named_parameters=model.named_parameters())
+    data = torch.Generator().manual_seed(100 + t.rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 6, generator=data)).pow(2).sum().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("masking, dense_momentum", [(False, 0.9), (True, 0.0)])
+def test_at_density_one_the_users_sgd_trains_as_dense_sgd_with_or_without_momentum(
+        masking, dense_momentum):
+    """SGD(momentum=0.9) under momentum correction at density 1 (exact wire): without masking
+    it trains as dense synchronous SGD with momentum 0.9; with DGC's masking, as dense SGD
+    without momentum (the velocity is cleared wherever a result is applied, so everywhere)."""
+    mc = {**MC_PARAMS, "compress_ratio": 1.0, "wire": "exact", "momentum_masking": masking}
+    dense = {"compressor": "none", "memory": "none", "communicator": "dense"}
+    got = run_local(2, lambda t: _trained(
+        t, mc, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)))
+    want = run_local(2, lambda t: _trained(
+        t, dense, lambda p: torch.optim.SGD(p, lr=0.05, momentum=dense_momentum)))
+    other = run_local(2, lambda t: _trained(
+        t, dense, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9 - dense_momentum)))
+    assert torch.equal(got[0], got[1])
+    assert torch.allclose(got[0], want[0], atol=1e-5)
+    assert not torch.allclose(got[0], other[0], atol=1e-3)
 
 
 def test_momentum_zero_is_plain_global_residuals_bit_for_bit():
@@ -122,6 +184,9 @@ def test_local_clipping_bounds_each_workers_gradient(size):
     ({"memory": "none", "momentum_correction": 0.9}, "momentum_correction is an option of memory"),
     ({"communicator": "allgather", "memory": "residual", "local_clip_norm": 1.0},
      "local_clip_norm is an option of memory"),
+    ({"momentum_masking": False}, "momentum_masking=False keeps the velocity of momentum "
+     "correction, which is off"),
+    ({"momentum_correction": 0.9, "momentum_masking": 0}, "momentum_masking must be True or False"),
 ])
 def test_bad_settings_name_the_valid_choices(bad, message):
     params = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl", **bad}
@@ -204,9 +269,10 @@ def test_a_momentum_the_memory_cannot_stand_in_for_is_refused(make, message):
         run_local(1, lambda t: _mc_run(t, make, steps=1))
 
 
-def test_velocities_survive_a_checkpoint_and_resume_bit_identically():
+@pytest.mark.parametrize("masking", [True, False])
+def test_velocities_survive_a_checkpoint_and_resume_bit_identically(masking):
     params = {"compressor": "topk", "memory": "global_residual", "communicator": "topka",
-              "compress_ratio": 0.05, "momentum_correction": 0.9}
+              "compress_ratio": 0.05, "momentum_correction": 0.9, "momentum_masking": masking}
 
     def fn(t, stop):
         grc = grace_from_params(params, transport=t)

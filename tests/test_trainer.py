@@ -617,6 +617,14 @@ def test_momentum_correction_settings_are_checked_when_parsed(tmp_path, capsys):
         tmp_path, capsys, "--compression", "--compressor", "topk", "--momentum-correction", "0.9")
     assert "momentum_correction must be a number in [0, 1)" in _refused(
         tmp_path, capsys, "--compression", "--compressor", "spardl", "--momentum-correction", "1.5")
+    assert "which is off" in _refused(
+        tmp_path, capsys, "--compression", "--compressor", "spardl", "--no-momentum-masking")
+    assert "torch's own DDP path" in _refused(
+        tmp_path, capsys, "--compression", "--compressor", "torch_fp16", "--no-momentum-masking")
+    args = _args(tmp_path, "--compression", "--compressor", "spardl", "--momentum-correction",
+                 "0.9", "--no-momentum-masking")
+    assert cli.grace_params(args)["momentum_masking"] is False
+    assert "momentum_masking" not in cli.grace_params(_args(tmp_path, "--compression"))
 
 
 def test_time_budget_target_and_evaluations(tmp_path):
@@ -717,6 +725,8 @@ def test_sparse_allreduces_warm_their_density_up_by_default(tmp_path):
 def test_ablation_configs_name_the_training_cli_options():
     from testbed import configs
     assert configs.config_options("dense") == []
+    assert configs.config_options("spardl@0.01+mcnomask")[-3:] == [
+        "--momentum-correction", "0.9", "--no-momentum-masking"]
     assert configs.config_options("dense+lrwarmup") == ["--warmup-epochs", "0.25"]
     assert configs.config_options("spardl+warmup")[-2:] == ["--density-warmup-start", "0.25"]
     assert configs.config_options("spardl+warmup16") == [

@@ -12,14 +12,18 @@ are options of this memory:
 * momentum correction m: the worker keeps a velocity u per name, u <- m*u + g, and the sparse
   all-reduce synchronises R + u instead of R + g. After the step, momentum factor masking
   clears u wherever the applied result is non-zero (the entries every rank just applied), so
-  stale momentum does not push an entry that was already updated. The optimizer then runs
+  stale momentum does not push an entry that was already updated (momentum_masking=False
+  keeps the velocity: then at density 1 it is synchronous SGD with momentum exactly, where with
+  masking it is SGD without momentum, and an entry sent every step moves 1 - m as far as
+  momentum would move it). The optimizer then runs
   without its own momentum: DistributedOptimizer and the DDP hook take an SGD's momentum m over
   for each step (spardl_grace.momentum). With nesterov, R + g + m*u is synchronised instead
   (DGC's Nesterov variant).
   Conserved every step: sum_w (R_w + m*u_w + g_w) == P * result + sum_w R'_w, exactly the
   sparse all-reduce's own invariant with g replaced by the new velocity. Through the velocity
   a gradient enters again in later steps (m*g, m^2*g, ...), as momentum does; masking stops
-  that at the entries just applied, and touches nothing the identity counts.
+  that at the entries just applied, and touches nothing the identity counts. Without masking
+  nothing stops it, so every gradient is applied 1/(1 - m) times over, as momentum applies it.
 * local gradient clipping c: each worker clips its gradient to L2 norm c / sqrt(P) before it
   enters the velocity, so the sum over P workers is bounded by about c, as a clip of the
   averaged gradient to c would bound it.
@@ -37,8 +41,8 @@ from ..buffers import BufferPool
 
 class ResidualMemory(Memory):
     """GRACE's 'residual' memory: A = beta * R + gamma * g, R' = A - what was sent; with
-    momentum_correction and local_clip_norm, DGC's techniques for the sparse all-reduces
-    (module docstring)."""
+    momentum_correction, momentum_masking and local_clip_norm, DGC's techniques for the sparse
+    all-reduces (module docstring)."""
 
     def __init__(
         self,
@@ -46,11 +50,13 @@ class ResidualMemory(Memory):
         gamma: float = 1.0,
         momentum_correction: float = 0.0,
         local_clip_norm: float | None = None,
+        momentum_masking: bool = True,
     ):
         super().__init__()
         self.beta = beta
         self.gamma = gamma
         self.momentum_correction = momentum_correction
+        self.momentum_masking = momentum_masking
         #: DGC's Nesterov variant: accumulate g + m * u instead of u (DistributedOptimizer sets
         #: it for an SGD with nesterov=True whose momentum it takes over)
         self.nesterov = False
@@ -125,7 +131,9 @@ class ResidualMemory(Memory):
     def store_residual(self, name, residual, result=None):
         self.residuals[name] = residual
         velocity = self._new_velocity.pop(name, None)
-        if velocity is not None:
+        if velocity is not None and not self.momentum_masking:
+            self.velocities[name] = velocity
+        elif velocity is not None:
             if result is None:
                 raise ValueError(
                     "momentum correction masks the velocity where the result was "
