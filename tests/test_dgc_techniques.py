@@ -106,44 +106,6 @@ def test_density_one_without_masking_sends_the_average_velocity(comm):
         assert torch.allclose(per_rank[0][step]["result"] * 4, sum(velocities), atol=1e-5)
 
 
-def _trained(t, params, optimizer, steps=6):
-    """The parameters after `steps` DistributedOptimizer steps with `params` and
-    `optimizer` (lr 0.05), on this rank's data."""
-    model = torch.nn.Linear(6, 3)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(5)
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    grc = grace_from_params(params, transport=t)
-    opt = DistributedOptimizer(optimizer(model.parameters()), grc,
-                               named_parameters=model.named_parameters())
-    data = torch.Generator().manual_seed(100 + t.rank)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(4, 6, generator=data)).pow(2).sum().backward()
-        opt.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-@pytest.mark.parametrize("masking, dense_momentum", [(False, 0.9), (True, 0.0)])
-def test_at_density_one_the_users_sgd_trains_as_dense_sgd_with_or_without_momentum(
-        masking, dense_momentum):
-    """SGD(momentum=0.9) under momentum correction at density 1 (exact wire): without masking
-    it trains as dense synchronous SGD with momentum 0.9; with DGC's masking, as dense SGD
-    without momentum (the velocity is cleared wherever a result is applied, so everywhere)."""
-    mc = {**MC_PARAMS, "compress_ratio": 1.0, "wire": "exact", "momentum_masking": masking}
-    dense = {"compressor": "none", "memory": "none", "communicator": "dense"}
-    got = run_local(2, lambda t: _trained(
-        t, mc, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)))
-    want = run_local(2, lambda t: _trained(
-        t, dense, lambda p: torch.optim.SGD(p, lr=0.05, momentum=dense_momentum)))
-    other = run_local(2, lambda t: _trained(
-        t, dense, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9 - dense_momentum)))
-    assert torch.equal(got[0], got[1])
-    assert torch.allclose(got[0], want[0], atol=1e-5)
-    assert not torch.allclose(got[0], other[0], atol=1e-3)
-
-
 def test_momentum_zero_is_plain_global_residuals_bit_for_bit():
     def fn(t, params):
         grc = grace_from_params(params, transport=t)
@@ -199,15 +161,15 @@ MC_PARAMS = {"compressor": "topk", "memory": "global_residual", "communicator": 
              "compress_ratio": 0.1, "momentum_correction": 0.9, "min_entries": 0}
 
 
-def _mc_run(t, make_optimizer, steps: int = 5, nesterov_memory: bool | None = None) -> dict:
-    """`steps` steps of DistributedOptimizer under momentum correction 0.9 on this rank's
-    data; the parameters, the optimizer's groups after the run, and its state's keys."""
+def _mc_run(t, make_optimizer, steps: int = 5, params: dict = MC_PARAMS) -> dict:
+    """`steps` steps of DistributedOptimizer with `params` (momentum correction 0.9) on this
+    rank's data; the parameters, the optimizer's groups after the run, and its state's keys."""
     g = torch.Generator().manual_seed(5)
     model = torch.nn.Linear(6, 3)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
-    grc = grace_from_params(MC_PARAMS, transport=t)
+    grc = grace_from_params(params, transport=t)
     opt = DistributedOptimizer(make_optimizer(model.parameters()), grc,
                                named_parameters=model.named_parameters())
     data = torch.Generator().manual_seed(100 + t.rank)
@@ -218,7 +180,7 @@ def _mc_run(t, make_optimizer, steps: int = 5, nesterov_memory: bool | None = No
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "groups": [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups],
             "state": [sorted(opt.state[p]) for p in model.parameters()],
-            "nesterov": grc.memory.nesterov}
+            "nesterov": getattr(grc.memory, "nesterov", False)}
 
 
 def test_the_users_sgd_keeps_its_momentum_which_the_memory_takes_over():
@@ -245,6 +207,23 @@ def test_nesterov_runs_dgcs_nesterov_variant():
     assert nesterov[0]["nesterov"] and torch.equal(nesterov[0]["params"], nesterov[1]["params"])
     assert not torch.equal(nesterov[0]["params"], plain[0]["params"])
     assert nesterov[0]["groups"][0]["nesterov"] is True
+
+
+@pytest.mark.parametrize("masking, dense_momentum", [(False, 0.9), (True, 0.0)])
+def test_at_density_one_the_users_sgd_trains_as_dense_sgd_with_or_without_momentum(
+        masking, dense_momentum):
+    """SGD(momentum=0.9) under momentum correction at density 1 (exact wire): without masking
+    it trains as dense synchronous SGD with momentum 0.9; with DGC's masking, as dense SGD
+    without momentum (the velocity is cleared wherever a result is applied, so everywhere)."""
+    mc = {**MC_PARAMS, "compress_ratio": 1.0, "wire": "exact", "momentum_masking": masking}
+    dense = {"compressor": "none", "memory": "none", "communicator": "dense"}
+    def trained(params, momentum):
+        return [r["params"] for r in run_local(2, lambda t: _mc_run(
+            t, lambda p: torch.optim.SGD(p, lr=0.05, momentum=momentum), params=params))]
+    got = trained(mc, 0.9)
+    assert torch.equal(got[0], got[1])
+    assert torch.allclose(got[0], trained(dense, dense_momentum)[0], atol=1e-5)
+    assert not torch.allclose(got[0], trained(dense, 0.9 - dense_momentum)[0], atol=1e-3)
 
 
 def test_the_nesterov_memory_sends_gradient_plus_m_times_the_new_velocity():
