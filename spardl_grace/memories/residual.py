@@ -131,15 +131,16 @@ class ResidualMemory(Memory):
     def store_residual(self, name, residual, result=None):
         self.residuals[name] = residual
         velocity = self._new_velocity.pop(name, None)
-        if velocity is not None and not self.momentum_masking:
-            self.velocities[name] = velocity
-        elif velocity is not None:
+        if velocity is None:
+            return
+        if self.momentum_masking:
             if result is None:
                 raise ValueError(
                     "momentum correction masks the velocity where the result was "
                     "applied: store_residual needs the result"
                 )
-            self.velocities[name] = velocity.masked_fill(result != 0, 0)
+            velocity = velocity.masked_fill(result != 0, 0)
+        self.velocities[name] = velocity
 
     def stores(self):
         return [self.residuals, self.velocities]
