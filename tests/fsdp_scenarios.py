@@ -300,20 +300,25 @@ def flat_divide_factor(transport) -> dict:
 
 
 def momentum_taken_over(transport) -> dict:
-    """hybrid_shard with momentum correction 0.9 at density 0.1: four steps of the user's
-    SGD(momentum=0.9, weight_decay=1e-3) as built, and of DGC's recipe (SGD without momentum,
-    weight decay scaled by 1/(1 - 0.9)); the parameter shards of each, and the user's group."""
+    """hybrid_shard with momentum correction 0.9 at density 0.1, with DGC's masking and
+    without: four steps of the user's SGD(momentum=0.9, weight_decay=1e-3) as built, and of
+    DGC's recipe (SGD without momentum, weight decay scaled by 1/(1 - 0.9)); the parameter
+    shards of each, and the user's group."""
     from spardl_grace.fsdp import hybrid_shard
     out = {}
-    for case, momentum, decay in (("users", 0.9, 1e-3), ("dgc", 0.0, 1e-3 / (1 - 0.9))):
-        model = _model()
-        hybrid_shard(model, _mesh(), {**SPARDL, "compress_ratio": 0.1, "momentum_correction": 0.9})
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum,
-                                    weight_decay=decay)
-        _train(model, optimizer, transport.rank, range(4))
-        out[case] = _shards(model)
-        out[f"{case}_group"] = (optimizer.param_groups[0]["momentum"],
-                                optimizer.param_groups[0]["weight_decay"])
+    for masking in (True, False):
+        suffix = "" if masking else "_unmasked"
+        params = {**SPARDL, "compress_ratio": 0.1, "momentum_correction": 0.9,
+                  "momentum_masking": masking}
+        for case, momentum, decay in (("users", 0.9, 1e-3), ("dgc", 0.0, 1e-3 / (1 - 0.9))):
+            model = _model()
+            hybrid_shard(model, _mesh(), params)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum,
+                                        weight_decay=decay)
+            _train(model, optimizer, transport.rank, range(4))
+            out[case + suffix] = _shards(model)
+            out[f"{case}{suffix}_group"] = (optimizer.param_groups[0]["momentum"],
+                                            optimizer.param_groups[0]["weight_decay"])
     return out
 
 

@@ -124,11 +124,14 @@ def test_torchtitans_fsdp_settings_give_hsdps_gradients(launch):
 def test_momentum_correction_takes_the_users_sgd_momentum_over(launch):
     """The user's SGD(momentum=0.9) under hybrid_shard with momentum correction trains bit for
     bit as DGC's recipe (momentum 0, decay scaled): the momentum is applied once, by the
-    memory (before, FSDP2 left the SGD's on: twice, silently); the groups stay as built."""
+    memory (before, FSDP2 left the SGD's on: twice, silently); the groups stay as built. The
+    same without DGC's masking ('momentum_masking': False), which trains otherwise."""
     for got in launch("gloo", 4, "fsdp_scenarios.momentum_taken_over"):
-        for users, dgc in zip(got["users"], got["dgc"]):
-            assert torch.equal(users, dgc)
-        assert got["users_group"] == (0.9, 1e-3)
+        for suffix in ("", "_unmasked"):
+            for users, dgc in zip(got["users" + suffix], got["dgc" + suffix]):
+                assert torch.equal(users, dgc), suffix
+            assert got[f"users{suffix}_group"] == (0.9, 1e-3)
+        assert any(not torch.equal(a, b) for a, b in zip(got["users"], got["users_unmasked"]))
 
 
 def test_flat_shard_refuses_another_communicator_and_a_2d_mesh():

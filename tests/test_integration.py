@@ -418,10 +418,12 @@ def test_the_ddp_hook_takes_the_users_sgd_momentum_over_as_the_optimizer_does(la
     DistributedOptimizer's bit for bit (before, the hook left the SGD's momentum on and the
     momentum was applied twice, silently); the SGD's groups are as built and it holds no
     momentum buffer; nesterov, which the memory must know from the first backward, is
-    refused under the hook."""
+    refused under the hook. The same with 'momentum_masking': False, which trains otherwise."""
     for r in launch("gloo", 2, "training_scenarios.ddp_momentum_correction"):
-        assert torch.equal(r["ddp"], r["optimizer"])
-        assert r["group"] == (0.9, 1e-3, False) and r["buffers"] == 0
+        for suffix in ("", "_unmasked"):
+            assert torch.equal(r[f"ddp{suffix}"], r[f"optimizer{suffix}"]), suffix
+            assert r[f"group{suffix}"] == (0.9, 1e-3, False) and r[f"buffers{suffix}"] == 0
+        assert not torch.equal(r["ddp"], r["ddp_unmasked"])
         assert "use spardl_grace.DistributedOptimizer, or nesterov=False" in r["nesterov"]
 
 

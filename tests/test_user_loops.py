@@ -198,3 +198,21 @@ def test_auto_plans_the_same_on_every_rank_inside_the_loops_users_write(launcher
         for pattern, chosen in ranks[0]["chosen"].items():
             assert torch.equal(result["chosen"][pattern]["params"], chosen["params"]), pattern
             assert torch.isfinite(chosen["params"]).all(), pattern
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_momentum_correction_without_masking_keeps_the_users_sgd_inside_the_loops_users_write(
+        launcher, tmp_path):
+    """'momentum_masking': False with the user's SGD(momentum=0.9) as built, the user's
+    collectives, barriers and object broadcasts between backward and step: every rank ends with
+    the same parameters, each pattern with the plain loop's bits, and those differ from the
+    masked run's (the key reached the memory under this launcher)."""
+    ranks = run_ranks(launcher, 3, "user_loops.momentum_correction_patterns", tmp_path,
+                      timeout=240)
+    plain = ranks[0]["unmasked"]["plain"]["params"]
+    for result in ranks:
+        for pattern, got in result["unmasked"].items():
+            assert torch.equal(got["params"], plain), pattern
+        assert torch.equal(result["masked"]["params"], ranks[0]["masked"]["params"])
+    assert torch.isfinite(plain).all()
+    assert not torch.equal(plain, ranks[0]["masked"]["params"])

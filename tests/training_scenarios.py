@@ -113,27 +113,35 @@ def ddp_matches_optimizer(transport, steps: int = 12, dense_warmup_steps: int = 
 
 def ddp_momentum_correction(transport, steps: int = 8) -> dict:
     """Momentum correction 0.9 with the user's SGD(momentum=0.9, weight_decay=1e-3) as built,
-    through DDP + comm_hook and through DistributedOptimizer; then nesterov=True under the
-    hook (needs torch.distributed: torchrun)."""
+    through DDP + comm_hook and through DistributedOptimizer, with DGC's masking and without
+    ('momentum_masking': False); then nesterov=True under the hook (needs torch.distributed:
+    torchrun)."""
     mc = {**params_for("spardl"), "momentum_correction": 0.9}
 
     def sgd(params, **kwargs):
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3, **kwargs)
-    ddp_model = mlp()
-    ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
-    ddp.register_comm_hook(CommHookState(mc, ddp), comm_hook)
-    users = sgd(ddp.parameters())
-    train(ddp, users, transport.rank, transport.size, steps)
-    model = mlp()
-    grc = grace_from_params(mc, transport=transport)
-    train(model, DistributedOptimizer(sgd(model.parameters()), grc,
-                                      named_parameters=model.named_parameters()),
-          transport.rank, transport.size, steps)
-    nesterov = _first_step_error(transport, mc, lambda m: sgd(m.parameters(), nesterov=True))
-    group = users.param_groups[0]
-    return {"ddp": flat_params(ddp_model), "optimizer": flat_params(model),
-            "group": (group["momentum"], group["weight_decay"], group["nesterov"]),
-            "buffers": sum(len(users.state[p]) for p in ddp.parameters()), "nesterov": nesterov}
+    out = {}
+    for suffix, masking in (("", True), ("_unmasked", False)):
+        params = {**mc, "momentum_masking": masking}
+        ddp_model = mlp()
+        ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+        ddp.register_comm_hook(CommHookState(params, ddp), comm_hook)
+        users = sgd(ddp.parameters())
+        train(ddp, users, transport.rank, transport.size, steps)
+        model = mlp()
+        grc = grace_from_params(params, transport=transport)
+        train(model, DistributedOptimizer(sgd(model.parameters()), grc,
+                                          named_parameters=model.named_parameters()),
+              transport.rank, transport.size, steps)
+        group = users.param_groups[0]
+        out.update({f"ddp{suffix}": flat_params(ddp_model),
+                    f"optimizer{suffix}": flat_params(model),
+                    f"group{suffix}": (group["momentum"], group["weight_decay"],
+                                       group["nesterov"]),
+                    f"buffers{suffix}": sum(len(users.state[p]) for p in ddp.parameters())})
+    out["nesterov"] = _first_step_error(transport, mc,
+                                        lambda m: sgd(m.parameters(), nesterov=True))
+    return out
 
 
 def _first_step_error(transport, params: dict, make_optimizer) -> str:

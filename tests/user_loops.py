@@ -384,18 +384,34 @@ AUTO = {"compressor": "topk", "memory": "global_residual", "communicator": "auto
         "auto_measure_steps": 2, "min_entries": 0}
 
 
+def _with_params(params: dict, scenario, transport) -> dict:
+    """`scenario(transport)` with the loops above built from `params` in place of PARAMS."""
+    global PARAMS
+    saved = PARAMS
+    PARAMS = params
+    try:
+        return scenario(transport)
+    finally:
+        PARAMS = saved
+
+
 def auto_patterns(transport) -> dict:
     """The loops above with communicator 'auto' (2 dense measuring steps, the link probed on
     the library's channel, then its plan): with one candidate the plan is fixed, so the loops
     that add the user's collectives between backward and step must end with the plain loop's
     bits; with every candidate the plan follows the timings, so only the ranks must agree."""
-    global PARAMS
-    saved = PARAMS
-    try:
-        PARAMS = {**AUTO, "auto_candidates": ["spardl@0.05"]}
-        pinned = collectives_between_backward_and_step(transport)
-        PARAMS = dict(AUTO)
-        chosen = more_patterns(transport)
-    finally:
-        PARAMS = saved
-    return {"pinned": pinned, "chosen": chosen}
+    return {"pinned": _with_params({**AUTO, "auto_candidates": ["spardl@0.05"]},
+                                   collectives_between_backward_and_step, transport),
+            "chosen": _with_params(dict(AUTO), more_patterns, transport)}
+
+
+MOMENTUM_CORRECTION = {**PARAMS, "momentum_correction": 0.9}
+
+
+def momentum_correction_patterns(transport) -> dict:
+    """The user's SGD(momentum=0.9) as built, taken over by momentum correction without DGC's
+    masking (the velocity kept) and with it: the loops that add the user's collectives
+    between backward and step, then the plain loop masked, for the tests to tell apart."""
+    return {"unmasked": _with_params({**MOMENTUM_CORRECTION, "momentum_masking": False},
+                                     collectives_between_backward_and_step, transport),
+            "masked": _with_params(dict(MOMENTUM_CORRECTION), plain, transport)}
