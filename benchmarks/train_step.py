@@ -162,11 +162,11 @@ def step_times(out: Path, skip: int) -> list[float]:
 
 def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Path) -> dict[str, Any]:
     options = algorithm_options(name)
-    # Post-local SGD starts after period - 1 dense steps and then averages once a period: its
-    # step is the mean over the whole periods after its start, and its bytes those of an
-    # evaluation window of one period (every such window holds exactly one averaging).
-    period = int(options[options.index("--postlocal-period") + 1]) \
-        if "--postlocal-period" in options else 0
+    # Post-local SGD starts after period - 1 dense steps and then averages once a period, and
+    # DiLoCo's outer step comes every period: the step is the mean over whole periods after
+    # the start, and the bytes those of an evaluation window of one period (every such window
+    # holds exactly one averaging).
+    period = _period(options)
     cmd = _trainer(args, out, args.workers, options, eval_every=period or None)
     if args.launcher == "horovodrun":
         under_horovodrun(cmd[1:], args.workers, rate)
@@ -206,16 +206,26 @@ def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "repeats": [{k: r[k] for k in kept if k in r} for r in runs]}
 
 
+def _period(options: list[str]) -> int:
+    """The steps between averagings of post-local SGD or DiLoCo's outer steps; 0 for the
+    algorithms that synchronise every step."""
+    for flag in ("--postlocal-period", "--diloco-period"):
+        if flag in options:
+            return int(options[options.index(flag) + 1])
+    return 0
+
+
 def _payload(evals: list[dict[str, Any]], period: int) -> float:
     """Bytes per step of the last evaluation window, which lies after the skipped steps
-    (PowerSGD's dense start); with post-local SGD's `period`, of the last window of one whole
-    period after its start (the run's last window may be shorter and hold no averaging)."""
+    (PowerSGD's dense start); with post-local SGD's or DiLoCo's `period`, of the last window
+    of one whole period after the start (the run's last window may be shorter and hold no
+    averaging)."""
     if not period:
         return evals[-1]["bytes_sent_per_step"]
     whole = [e for before, e in zip(evals, evals[1:])
              if e["step"] - before["step"] == period and before["step"] >= period - 1]
     if not whole:
-        raise ValueError(f"post-local SGD every {period} steps: --steps must reach "
+        raise ValueError(f"averaging every {period} steps: --steps must reach "
                          f"{2 * period} for a whole period's window after its start")
     return whole[-1]["bytes_sent_per_step"]
 

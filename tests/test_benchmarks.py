@@ -732,8 +732,8 @@ def test_training_step_benchmark_interleaves_repeats_and_pools_their_steps(monke
 
 def test_training_step_benchmark_takes_the_fronts_configs(tmp_path):
     """The ablation's config names (issue 39's front) at their steady state: the warm-up left
-    out, PowerSGD from step 2, post-local SGD's step the mean over its periods after its start;
-    bad names are refused naming the valid ones."""
+    out, PowerSGD from step 2, post-local SGD's and DiLoCo's step the mean over their periods
+    after the start; bad names are refused naming the valid ones."""
     from benchmarks import train_step
     from testbed.models import build_model
     options = train_step.algorithm_options("spardl@0.003+warmup2ep+compact")
@@ -749,16 +749,18 @@ def test_training_step_benchmark_takes_the_fronts_configs(tmp_path):
         with pytest.raises(SystemExit):
             train_step.parse_args(["--algorithms", bad])
     result = train_step.main(["--dnn", "fashioncnn", "--batch-size", "8", "--workers", "2",
-                              "--algorithms", "spardl@0.05+warmup16+compact,postlocal4",
+                              "--algorithms", "spardl@0.05+warmup16+compact,postlocal4,diloco4",
                               "--bandwidths", "20mbit", "--steps", "11", "--skip", "2"])
     rows = next(iter(result["networks"].values()))
     n = sum(p.numel() for p in build_model("fashioncnn", 1, 10).parameters())
     assert 0 < rows["spardl@0.05+warmup16+compact"]["bytes_per_step"] < 0.1 * 4 * n
-    # one value: the mean over the two periods after post-local SGD's start
-    assert rows["postlocal4"]["step_s"] == rows["postlocal4"]["step_s_min"] > 0
+    # one value: the mean over the whole periods after post-local SGD's start (DiLoCo's)
     # and its bytes: one averaging of the parameters (a dense all-reduce) per period of 4 steps
     from spardl_grace.transport.counting import ring_allreduce_bytes
-    assert rows["postlocal4"]["bytes_per_step"] == ring_allreduce_bytes(4 * n, 2) / 4
+    for name in ("postlocal4", "diloco4"):
+        assert rows[name]["step_s"] == rows[name]["step_s_min"] > 0, name
+        assert len(rows[name]["step_times"]) == 1, name
+        assert rows[name]["bytes_per_step"] == ring_allreduce_bytes(4 * n, 2) / 4, name
     with pytest.raises(ValueError, match="--steps must reach 8"):
         train_step._payload([{"step": 4, "bytes_sent_per_step": 0.0},
                              {"step": 7, "bytes_sent_per_step": 0.0}], 4)
