@@ -43,6 +43,7 @@ from testbed import configs
 from testbed.configs import DEVICES, resolve_device
 from testbed.models import MODEL_TASKS
 from testbed.records import read_log
+from experiments.recipe import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHERS = ("spawn", "horovodrun")
@@ -82,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--launcher", default="spawn", choices=LAUNCHERS,
                    help="spawn: the training CLI starts its workers (torch.distributed, gloo); "
                         "horovodrun: Horovod starts them (this library's algorithms only)")
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS,
+                   help="the training CLI's --optimizer: adamw for the transformer front's "
+                        "configs (its frozen-variance ones refuse sgd)")
+    p.add_argument("--clip-norm", type=float, default=None,
+                   help="the training CLI's --clip-norm (the transformer front clips at 1)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.dataset is None:
@@ -132,7 +138,9 @@ def _trainer(args: argparse.Namespace, out: Path, workers: int, options: list[st
             "--batch-size", str(args.batch_size), "--density", str(args.density),
             "--max-epochs", "1", "--max-steps", str(args.steps), "--test-samples", "100",
             "--eval-every", str(eval_every or args.skip),
-            "--powersgd-start-iter", "2", "--device", args.device, "--out", str(out), *options]
+            "--powersgd-start-iter", "2", "--device", args.device, "--out", str(out),
+            "--optimizer", args.optimizer,
+            *(["--clip-norm", str(args.clip_norm)] if args.clip_norm else []), *options]
 
 
 def _ablation_baseline(name: str) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,48 +64,70 @@ def load_runs(out: Path) -> list[dict[str, Any]]:
     return runs
 
 
-def mean_curve(runs: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
-    """(step, mean test accuracy, mean bytes per step) per epoch over `runs` (one config)."""
-    epochs = min(len(r["epochs"]) for r in runs)
-    return [(runs[0]["epochs"][e][0],
-             statistics.fmean(r["epochs"][e][1] for r in runs),
-             statistics.fmean(r["epochs"][e][2] for r in runs)) for e in range(epochs)]
+Curve = list[tuple[int, float, float]]  # (step, metric, bytes per step of the window ending there)
 
 
-def time_to_accuracy(runs: list[dict[str, Any]], step_times: dict[str, Any],
-                     target_epoch: int) -> dict[str, Any]:
-    """Per config: the steps its mean curve needed to reach dense's mean accuracy after
-    `target_epoch` epochs, and per link rate the seconds (see the module docstring)."""
-    dense = mean_curve([r for r in runs if r["config"] == "dense"])
-    target = dense[target_epoch - 1][1]
+def mean_curve(curves: list[Curve]) -> Curve:
+    """(step, mean metric, mean bytes per step) at each point the curves share (one config's
+    runs, evaluated at the same steps), up to the shortest."""
+    points = min(len(c) for c in curves)
+    return [(curves[0][i][0], statistics.fmean(c[i][1] for c in curves),
+             statistics.fmean(c[i][2] for c in curves)) for i in range(points)]
+
+
+def time_to_target(curves: dict[str, list[Curve]], step_times: dict[str, Any],
+                   reached: Callable[[float], bool]) -> dict[str, Any]:
+    """Per config: the steps at the first point of its mean curve where `reached(metric)`, and
+    per link rate of `step_times` (benchmarks.train_step's JSON; dense looked up as 'ddp') the
+    seconds: those steps times the steady-state step, plus the wire time of the bytes each
+    window up to there sent beyond the last window's (the warm-up's, the dense start's)."""
     rows = {}
-    for config in dict.fromkeys(r["config"] for r in runs):
-        curve = mean_curve([r for r in runs if r["config"] == config])
-        reached = next((e for e, (_, acc, _) in enumerate(curve) if acc >= target), None)
-        row: dict[str, Any] = {"steps": curve[reached][0] if reached is not None else None}
+    for config, runs in curves.items():
+        curve = mean_curve(runs)
+        hit = next((i for i, (_, value, _) in enumerate(curve) if reached(value)), None)
+        row: dict[str, Any] = {"steps": curve[hit][0] if hit is not None else None}
         measured = "ddp" if config == "dense" else config
         for rate, algorithms in step_times["networks"].items():
             step = algorithms.get(measured)
-            if step is None or reached is None:
+            if step is None or hit is None:
                 row[rate] = None
                 continue
             steady, previous, extra = curve[-1][2], 0, 0.0
-            for step_at, _, sent in curve[: reached + 1]:
+            for step_at, _, sent in curve[: hit + 1]:
                 extra += max(0.0, sent - steady) * (step_at - previous) * 8 / rate_bits_per_s(rate)
                 previous = step_at
             row[rate] = {"step_s": step["step_s"],
                          "seconds": row["steps"] * step["step_s"] + extra,
                          "warmup_wire_s": extra}
         rows[config] = row
-    return {"target_epoch": target_epoch, "target_accuracy": target, "configs": rows}
+    return rows
+
+
+def time_to_accuracy(runs: list[dict[str, Any]], step_times: dict[str, Any],
+                     target_epoch: int) -> dict[str, Any]:
+    """Per config: the steps its mean curve needed to reach dense's mean accuracy after
+    `target_epoch` epochs, and per link rate the seconds (see the module docstring)."""
+    curves: dict[str, list[Curve]] = {}
+    for run in runs:
+        curves.setdefault(run["config"], []).append(run["epochs"])
+    target = mean_curve(curves["dense"])[target_epoch - 1][1]
+    return {"target_epoch": target_epoch, "target_accuracy": target,
+            "configs": time_to_target(curves, step_times, lambda acc: acc >= target)}
 
 
 def time_markdown(result: dict[str, Any], rates: list[str], provenance: str | None = None) -> str:
-    lines = [f"Time to dense's mean accuracy after {result['target_epoch']} epochs "
-             f"({result['target_accuracy']:.4f}):", "",
+    return time_table(f"Time to dense's mean accuracy after {result['target_epoch']} epochs "
+                      f"({result['target_accuracy']:.4f}):", result["configs"], rates, provenance)
+
+
+def time_table(title: str, rows: dict[str, Any], rates: list[str],
+               provenance: str | None = None) -> str:
+    """`title`, then a table of time_to_target's rows (steps, and per rate the step time and
+    seconds), then `provenance`."""
+    lines = [title, "",
              "| config | steps | " + " | ".join(f"{r} s/step | {r} seconds" for r in rates) + " |",
              "|---|---|" + "---|---|" * len(rates)]
-    for config, row in result["configs"].items():
+    for config, row in rows.items():
         cells = []
         for rate in rates:
             t = row[rate]
