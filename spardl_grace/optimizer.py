@@ -187,6 +187,7 @@ class _DistributedOptimizer:
         self._launching = threading.Lock()
         self._flat_pool = BufferPool()  # each bucket's flat gradients, reused once released
         self._synchronized = False
+        self._gradients_synchronized = False  # this step's gradients, by synchronize()
         self._should_synchronize = True
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._slot_of
@@ -200,8 +201,11 @@ class _DistributedOptimizer:
     def _exchanges_updates(self) -> bool:
         """Whether this step exchanges the optimizer's step ('exchange': 'update'), not the
         gradient: from the first step on, or with 'adam_freeze_step' W once the W dense
-        gradient steps that estimate the shared second moment are done."""
-        return self._exchange == "update" and self._sync.steps >= self._adam_freeze_step
+        gradient steps that estimate the shared second moment are done. Counted in the steps
+        before this one: synchronize() called before step() in the W-th dense step has counted
+        that step already, and that step must still end with the optimizer's own update."""
+        done = self._sync.steps - int(self._gradients_synchronized)
+        return self._exchange == "update" and done >= self._adam_freeze_step
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -305,6 +309,7 @@ class _DistributedOptimizer:
             self._passes = dict.fromkeys(self._passes, 0)
             self._sync.end_step()
         self._synchronized = True
+        self._gradients_synchronized = True
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -336,7 +341,7 @@ class _DistributedOptimizer:
                 return self._create_state(closure)
             else:
                 self.synchronize()
-        self._synchronized = False
+        self._synchronized = self._gradients_synchronized = False
         frozen = bool(self._adam_freeze_step) and self._sync.steps > self._adam_freeze_step
         return self._own_step(closure, frozen)
 

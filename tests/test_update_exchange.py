@@ -41,10 +41,12 @@ def _residuals(grc, names: list[str]) -> torch.Tensor:
                       for n, size in names])
 
 
-def train(t, params: dict, steps: int, state: dict | None = None, first: int = 0) -> dict:
+def train(t, params: dict, steps: int, state: dict | None = None, first: int = 0,
+          synchronize_first: bool = False) -> dict:
     """`steps` AdamW steps under DistributedOptimizer from `first`. Per step: the rank's own
     AdamW step (from a shadow AdamW fed the same parameters and gradients), the step applied,
-    and the residuals before and after."""
+    and the residuals before and after. `synchronize_first`: Horovod's pattern for clipping,
+    synchronize() and then step() inside skip_synchronize()."""
     model = _model()
     grc = grace_from_params(params, transport=t)
     opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
@@ -69,7 +71,12 @@ def train(t, params: dict, steps: int, state: dict | None = None, first: int = 0
         shadow_opt.step()
         before = _flat(model)
         record["old"].append(_residuals(grc, names))
-        opt.step()
+        if synchronize_first:
+            opt.synchronize()
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
         record["own"].append(before - _flat(shadow))
         record["applied"].append(before - _flat(model))
         record["new"].append(_residuals(grc, names))
@@ -115,6 +122,22 @@ def test_a_resumed_run_continues_bit_for_bit(freeze):
     rest = run_local(2, lambda t: train(t, params, 3, half[t.rank]["state"], first=3))
     for rank in range(2):
         assert torch.equal(rest[rank]["params"], whole[rank]["params"])
+
+
+@pytest.mark.parametrize("freeze", [1, 2])
+def test_synchronize_before_step_trains_as_step_alone_across_the_freeze(freeze):
+    """synchronize() before step() (to clip the gradient, as Horovod's users do): the W-th
+    dense step still ends with AdamW's own update and the exchange of steps starts after it,
+    the same bits as step() alone. Before, synchronize() counted the step first: with W = 1
+    the first step exchanged a frozen update that had no variance yet (RuntimeError), with
+    W = 2 the second step did both, a dense gradient and a compressed update."""
+    params = {**UPDATE, "adam_freeze_step": freeze}
+    plain = run_local(2, train, params, 4)
+    explicit = run_local(2, lambda t: train(t, params, 4, synchronize_first=True))
+    for rank in range(2):
+        assert torch.equal(explicit[rank]["params"], plain[rank]["params"])
+        assert all(torch.equal(a, b) for a, b in zip(explicit[rank]["applied"],
+                                                     plain[rank]["applied"]))
 
 
 def test_ranks_that_disagree_on_the_exchange_all_raise():
