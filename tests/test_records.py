@@ -174,6 +174,20 @@ def test_the_recorded_front_and_reports_regenerate_from_the_packed_runs():
         assert rows == json.loads(summary.read_text()), summary
 
 
+def test_the_recorded_times_to_loss_regenerate_from_the_packed_runs_and_their_step_times():
+    from experiments import time_to_loss
+
+    recorded = _recorded("time_to_loss.json")
+    assert recorded, "the transformer front's time to loss is recorded"
+    for path in recorded:
+        saved = json.loads(path.read_text())
+        step_times = time_to_loss.merged_step_times([ROOT / s for s in saved["step_times"]])
+        curves = time_to_loss.loss_curves(path.parent)
+        timed = [time_to_loss.time_to_loss(curves, step_times, r["target_step"])
+                 for r in saved["results"]]
+        assert json.loads(json.dumps(timed)) == saved["results"], path
+
+
 def test_every_recorded_run_is_readable():
     archives = _recorded("*" + records.SUFFIX)
     assert len(archives) >= 170
