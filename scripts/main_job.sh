@@ -5,7 +5,7 @@
 # PowerSGD hook, SparDL and 'communicator': 'auto' (the library's own choice), and it prints
 # time to accuracy (mean and range over 3 runs each), bytes, what auto chose, and a verdict that
 # names a winner only when the 95% Welch interval of the difference of means excludes zero.
-# About 18 minutes on 2 cores after the set-up.
+# About 18 to 23 minutes on 2 cores after the set-up.
 # Extra arguments go to experiments.compare (e.g. --quick, --algorithms ddp,spardl,powersgd1).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
