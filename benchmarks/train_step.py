@@ -40,10 +40,9 @@ from benchmarks.launch import launch_env, launcher_command
 from testbed.netem import EmulatedNetwork, available, rate_bits_per_s, rate_change, run_all
 from benchmarks.netns_ssh import on_node
 from testbed import configs
-from testbed.configs import DEVICES, resolve_device
+from testbed.configs import DEVICES, OPTIMIZERS, resolve_device
 from testbed.models import MODEL_TASKS
 from testbed.records import read_log
-from experiments.recipe import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHERS = ("spawn", "horovodrun")

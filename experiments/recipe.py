@@ -15,7 +15,8 @@ import math
 
 import torch
 
-OPTIMIZERS = ("sgd", "adamw")
+from testbed.configs import OPTIMIZERS
+
 SCHEDULES = ("step", "cosine")
 SGD_MOMENTUM = 0.9
 ADAMW_BETAS = (0.9, 0.95)

@@ -13,6 +13,8 @@ from spardl_grace.api import DEFAULT_MIN_ENTRIES
 from spardl_grace.planner import DEFAULT_CANDIDATES
 
 DEVICES = ("auto", "cpu", "cuda")
+#: the training CLI's --optimizer choices (experiments.recipe builds them)
+OPTIMIZERS = ("sgd", "adamw")
 
 
 def resolve_device(device: str, parser: argparse.ArgumentParser) -> str:
