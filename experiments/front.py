@@ -254,6 +254,15 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def whole_numbers(p: argparse.ArgumentParser, option: str, value: str, unit: str) -> list[int]:
+    """The comma-separated whole numbers `value` of `option`; p.error naming the form
+    otherwise."""
+    try:
+        return [int(v) for v in value.split(",")]
+    except ValueError:
+        p.error(f"{option} takes whole {unit}, comma-separated, got {value!r}")
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -270,10 +279,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--step-times-provenance", default=None,
                    help="the line written under the time-to-accuracy table")
     args = p.parse_args(argv)
-    try:
-        targets = [int(t) for t in args.target_epoch.split(",")]
-    except ValueError:
-        p.error(f"--target-epoch takes whole epochs, comma-separated, got {args.target_epoch!r}")
+    targets = whole_numbers(p, "--target-epoch", args.target_epoch, "epochs")
     out = Path(args.out)
     runs = load_runs(out)
     if not runs:

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.front import Curve, mean_curve, time_table, time_to_target
+from experiments.front import Curve, mean_curve, time_table, time_to_target, whole_numbers
 from testbed.records import read_log, runs_under
 
 
@@ -79,10 +79,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    help="the line written under each table (the docs' 'Recorded DATE, "
                         "MACHINE: `COMMAND` -> `RESULT`')")
     args = p.parse_args(argv)
-    try:
-        targets = [int(t) for t in args.target_step.split(",")]
-    except ValueError:
-        p.error(f"--target-step takes whole steps, comma-separated, got {args.target_step!r}")
+    targets = whole_numbers(p, "--target-step", args.target_step, "steps")
     out = Path(args.out)
     curves = loss_curves(out)
     if not curves:
