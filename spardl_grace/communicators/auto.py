@@ -12,11 +12,18 @@ step's first tensor (what the integrations sum once a step) and in one log line 
 'spardl_grace.auto' logger on rank 0.
 
 Every `replan_window` steps the ranks take rank 0's median measured synchronisation of the
-window against the plan's prediction; when they differ by more than `replan_tolerance` (the
-link changed, or the model was wrong for this machine), it probes and plans again, with the
-measured ratio kept as that candidate's correction. The candidates share one memory, so the
-residuals carry over a change of plan (a dense step sends them all). Its state (plan, link,
-measurements, corrections, SparDL's counters) is checkpointed with the memory.
+window against the plan's prediction. A window strays when they differ by more than
+`replan_tolerance` of the prediction and by more than `budget` of the predicted step (an error
+the budget already tolerates cannot pay for a re-plan). The first window that strays from a
+prediction no measurement has corrected yet (SparDL's, after a plan made on dense steps)
+re-plans at once: the model was wrong for this machine. Otherwise a stray is confirmed by a
+second window of half the length straying the same way before it re-plans (the link changed),
+so the noise of one window on a steady link does not cost a probe. A re-plan probes and plans
+again with the measured excess over the model (seconds a step: the stragglers' wait and the
+framework's overhead the model does not see, alike at every density) kept as the correction of
+the choice's family. The candidates share one memory, so the residuals carry over a change of
+plan (a dense step sends them all). Its state (plan, link, measurements, corrections, SparDL's
+counters) is checkpointed with the memory.
 
 A step is recognised without help from the caller: it begins where a tensor name comes again,
 so every integration (DistributedOptimizer, the DDP hook, GRACE's own loop) gets the same
@@ -26,6 +33,7 @@ schedule, on every rank alike (they synchronise the same names in the same order
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -64,7 +72,7 @@ PROBE_REPEATS = 3
 SELECTION_PROBE_NUMEL = 1 << 21
 #: entries of the message SparDL's coding is timed on (at most): enough for a per-entry figure
 CODING_PROBE_ENTRIES = 1 << 16
-#: a measured correction stays within these factors of the model
+#: the measured candidate's corrected prediction stays within these factors of the model's
 CORRECTION_RANGE = (0.25, 8.0)
 
 
@@ -179,7 +187,8 @@ class Auto(Synchronizer):
     predicted step a less compressed candidate may be (0.05); measure_steps: dense steps
     measured before the first plan; replan_window: steps between checks of the plan (0:
     never re-plan); replan_tolerance: how far measured synchronisation may stray from the
-    plan's before it re-plans; min_entries: SparDL's floor (SparseAllreduce.set_min_entries)."""
+    plan's, as a share of it, before a window counts as straying; min_entries: SparDL's
+    floor (SparseAllreduce.set_min_entries)."""
 
     def __init__(
         self,
@@ -227,7 +236,10 @@ class Auto(Synchronizer):
         self._plan: dict[str, Any] = {}
         self._compute: list[float] = []  # the latest steps' time outside synchronisation
         self._window: list[float] = []  # synchronisation seconds per step since the plan
+        #: seconds each candidate's measured synchronisation exceeded the model's, by name
         self._corrections: dict[str, float] = {}
+        #: which way the last window strayed since the plan (+1 slower, -1 faster, 0 not)
+        self._strayed = 0
         self._replans = 0
         self._seen: set[str] = set()
         self._numels: dict[str, int] = {}  # this step's tensors
@@ -297,11 +309,28 @@ class Auto(Synchronizer):
             if self._steps >= self.measure_steps:
                 self._replan(device, measured_dense=True)
             return
-        if self.replan_window and len(self._window) >= self.replan_window:
+        due = max(1, self.replan_window // 2) if self._strayed else self.replan_window
+        if self.replan_window and len(self._window) >= due:
             ratio, measured = self._measured(device)
             self._window = []
-            if abs(ratio - 1) > self.replan_tolerance:
+            direction = self._stray(ratio, measured)
+            family = self._family(self.choice)
+            calibrated = any(self._family(n) == family for n in self._corrections)
+            if direction and (direction == self._strayed or not calibrated):
                 self._replan(device, measured_dense=False, ratio=ratio, measured=measured)
+            else:
+                self._strayed = direction
+
+    def _stray(self, ratio: float, measured: float) -> int:
+        """+1 (slower) or -1 (faster) when the window's measured synchronisation strays from
+        the plan's by more than replan_tolerance of it and by more than budget of the
+        predicted step; 0 otherwise."""
+        predicted = self._plan["predicted_sync_s"][self.choice]
+        off = measured - predicted
+        floor = self.budget * self._plan["predicted_step_s"][self.choice]
+        if abs(ratio - 1) <= self.replan_tolerance or abs(off) <= floor:
+            return 0
+        return 1 if off > 0 else -1
 
     def _measured(self, device: torch.device) -> tuple[float, float]:
         """Rank 0's median synchronisation over the window, as a ratio to the plan's
@@ -340,15 +369,18 @@ class Auto(Synchronizer):
         dense = sync_seconds(Candidate("dense", "dense"), numels, size, link)
         if measured_dense and self._window and dense > 0:
             # The measured steps ran dense: their all-reduces calibrate the dense candidates.
-            factor = _clamped(statistics.median(self._window) / dense)
-            corrections.update({n: factor for n in model if self._family(n) == "dense"})
+            excess = _excess(statistics.median(self._window), dense)
+            corrections.update({n: excess for n in model if self._family(n) == "dense"})
         elif not measured_dense and model.get(self.choice, 0) > 0:
-            # What misled the model for the choice (the link's shape, this machine's
-            # selection) misleads it alike for its family: dense ones, or SparDL's densities.
-            factor = _clamped(measured / model[self.choice])
+            # What the model misses for the choice (waiting for the slowest rank, the
+            # framework's overhead) is time a step, not per byte: the main job's SparDL
+            # steps cost the same at 0.01 and 0.003, where scaling the model's
+            # prediction by the measured ratio put them 36% apart. It is alike for the
+            # choice's family: the dense ones, or SparDL's densities.
+            excess = _excess(measured, model[self.choice])
             family = self._family(self.choice)
-            corrections.update({n: factor for n in model if self._family(n) == family})
-        sync = {n: model[n] * corrections.get(n, 1.0) for n in model}
+            corrections.update({n: excess for n in model if self._family(n) == family})
+        sync = {n: _corrected(model[n], corrections.get(n, 0.0)) for n in model}
         sent = {c.name: sync_bytes(c, numels, size, self.min_entries) for c in self._candidates}
         steps = [compute + sync[c.name] for c in self._candidates]
         index = choose(steps, [sent[c.name] for c in self._candidates], self.budget)
@@ -364,13 +396,13 @@ class Auto(Synchronizer):
                 sixteen.alpha,
                 sixteen.beta,
                 *(sync[c.name] for c in self._candidates),
-                *(corrections.get(c.name, 1.0) for c in self._candidates),
+                *(corrections.get(c.name, math.nan) for c in self._candidates),
             ],
             dtype=torch.float64,
         )
         plan = self.transport.broadcast(mine.to(device), 0, "auto.plan").cpu().tolist()
         self._adopt(plan, sent, ratio)
-        self._window = []
+        self._window, self._strayed = [], 0
 
     def _adopt(self, vector: list[float], sent: dict[str, float], ratio: float) -> None:
         """Take rank 0's plan `vector` (see _replan) as this rank's plan and switch to it."""
@@ -379,7 +411,7 @@ class Auto(Synchronizer):
         index, compute = int(vector[0]), vector[1]
         sync = dict(zip(names, vector[8 : 8 + count]))
         self._corrections = {
-            n: f for n, f in zip(names, vector[8 + count : 8 + 2 * count]) if f != 1.0
+            n: e for n, e in zip(names, vector[8 + count : 8 + 2 * count]) if not math.isnan(e)
         }
         link = Link(Fit(vector[2], vector[3]), Fit(vector[4], vector[5]), Fit(vector[6], vector[7]))
         chosen = self._candidates[index]
@@ -451,7 +483,8 @@ class Auto(Synchronizer):
             "plan": _plain(self._plan),
             "compute": list(self._compute),
             "window": list(self._window),
-            "corrections": dict(self._corrections),
+            "excess_s": dict(self._corrections),
+            "strayed": self._strayed,
             "replans": self._replans,
             "numels": dict(self._last_numels),
             "spardl": self._sparse._own_state(),
@@ -473,7 +506,10 @@ class Auto(Synchronizer):
         }
         self._compute = list(state["compute"])
         self._window = list(state["window"])
-        self._corrections = dict(state["corrections"])
+        # Checkpoints before the excess_s key held ratios ('corrections'): they do not
+        # convert without their model, so the next check calibrates afresh.
+        self._corrections = dict(state.get("excess_s", {}))
+        self._strayed = int(state.get("strayed", 0))
         self._replans = int(state["replans"])
         self._sparse._load_own_state(state["spardl"])
         self._switch(choice)
@@ -481,9 +517,18 @@ class Auto(Synchronizer):
         self._numels, self._last_numels = {}, dict(state["numels"])
 
 
-def _clamped(factor: float) -> float:
+def _excess(measured: float, model: float) -> float:
+    """Seconds `measured` exceeds `model` by, bounded so that the model corrected by it stays
+    within CORRECTION_RANGE of the model."""
     low, high = CORRECTION_RANGE
-    return min(high, max(low, factor))
+    return min((high - 1) * model, max((low - 1) * model, measured - model))
+
+
+def _corrected(model: float, excess: float) -> float:
+    """The model's prediction plus the family's measured `excess`, at least CORRECTION_RANGE's
+    lower factor of the model (no upper bound: an excess measured on a denser candidate is
+    time a step, many times a sparser candidate's small prediction)."""
+    return max(CORRECTION_RANGE[0] * model, model + excess)
 
 
 def _plain(plan: dict[str, Any]) -> dict[str, Any]:
