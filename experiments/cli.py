@@ -227,6 +227,10 @@ def _compression(p: argparse.ArgumentParser) -> None:
                         "from it (start_localSGD_iter, the averager's warm_up steps)")
     p.add_argument("--diloco-period", type=int, default=50,
                    help="diloco: inner steps between outer steps (DiLoCo's H)")
+    p.add_argument("--diloco-outer-lr", type=float, default=0.7,
+                   help="diloco: the outer Nesterov SGD's learning rate (the paper's 0.7)")
+    p.add_argument("--diloco-outer-momentum", type=float, default=0.9,
+                   help="diloco: the outer SGD's Nesterov momentum (the paper's 0.9; 0: none)")
 
 
 def _paths(p: argparse.ArgumentParser) -> None:
@@ -367,6 +371,9 @@ def _check_compression(args: argparse.Namespace, p: argparse.ArgumentParser) -> 
                 "needs one plain step before it starts its error feedback)")
     if args.diloco_period < 1:
         p.error(f"--diloco-period must be >= 1, got {args.diloco_period}")
+    if not args.diloco_outer_lr > 0 or not 0 <= args.diloco_outer_momentum < 1:
+        p.error("--diloco-outer-lr must be > 0 and --diloco-outer-momentum in [0, 1), got "
+                f"{args.diloco_outer_lr} and {args.diloco_outer_momentum}")
     if args.postlocal_period < 2 or args.postlocal_start_iter < 0:
         p.error("--postlocal-period must be >= 2 (1 is plain DDP) and --postlocal-start-iter "
                 ">= 0")

@@ -2,8 +2,8 @@
 worker takes H steps of its own optimiser (the inner AdamW) on its own data with no
 communication, then the workers average their displacement from the last global model (the
 outer gradient, one dense all-reduce of the parameters) and an outer SGD with Nesterov
-momentum (lr 0.7, momentum 0.9, the paper's) moves the global model, which every worker then
-continues from. Bytes: one ring all-reduce of the fp32 parameters every H steps.
+momentum (by default lr 0.7, momentum 0.9, the paper's) moves the global model, which every
+worker then continues from: with lr 1 and no momentum, plain parameter averaging. Bytes: one ring all-reduce of the fp32 parameters every H steps.
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 class DiLoCoSync:
     """DiLoCo behind the training CLI's sync interface (model, optimizer, synchronize, step,
     bytes_sent, last_stats, state). Needs torch.distributed (the self-launched workers or
-    torchrun). The run's models are identical after each outer step, and only then."""
+    torchrun). The run's models are identical after each outer step, and only then.
+    outer_lr, outer_momentum: the outer SGD's (Nesterov when the momentum is not 0)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, period: int,
-                 outer_lr: float = OUTER_LR):
+                 outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM):
         import torch.distributed as dist
 
         if period < 1:
@@ -33,8 +34,8 @@ class DiLoCoSync:
         self.world = dist.get_world_size()
         self.numel = sum(p.numel() for p in self.params)
         self.global_params = [p.detach().clone() for p in self.params]
-        self.outer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=OUTER_MOMENTUM,
-                                     nesterov=True)
+        self.outer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum,
+                                     nesterov=outer_momentum > 0)
         self.steps = 0
         self.bytes_sent = 0
         self.last_stats: dict[str, float] = {}

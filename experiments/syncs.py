@@ -102,7 +102,8 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport,
     optimizer = recipe.make_optimizer(args, model)
     if args.compression and args.compressor == "diloco":
         from experiments.diloco import DiLoCoSync
-        return DiLoCoSync(model, optimizer, args.diloco_period), None
+        return DiLoCoSync(model, optimizer, args.diloco_period, args.diloco_outer_lr,
+                          args.diloco_outer_momentum), None
     if is_baseline(args):
         from testbed.baselines import TorchDDPSync
         postlocal = args.compressor == "torch_postlocal"
