@@ -311,7 +311,7 @@ def _checks(t, corrections: dict, windows: list[list[float]]) -> list[tuple[int,
     return out
 
 
-CALIBRATED = {"spardl@0.01": 0.02}
+CALIBRATED = {"spardl@0.01": (0.02, 1.0)}
 
 
 @pytest.mark.parametrize("corrections, windows, expected", [
@@ -329,17 +329,19 @@ CALIBRATED = {"spardl@0.01": 0.02}
     (CALIBRATED, [[0.2] * 3], [(0, 0, False)]),
     # a model no measurement of the choice's family has corrected re-plans at the first stray
     ({}, [[0.2] * 4], [(1, 0, True)]),
-    ({"dense": 0.3}, [[0.0] * 4], [(1, 0, True)]),
+    ({"dense": (0.3, 1.0)}, [[0.0] * 4], [(1, 0, True)]),
 ])
 def test_the_replan_trigger_on_synthetic_windows(corrections, windows, expected):
     for got in run_local(2, _checks, corrections, windows):
         assert got == expected
 
 
-def test_a_replan_adds_the_measured_excess_to_the_family_of_the_choice(monkeypatch):
-    """The model misses time a step (waiting for the slowest rank, the framework's
-    overhead), alike at every density: the measured excess of the choice over the model is
-    added to each SparDL density's prediction; the dense ones keep their own."""
+@pytest.mark.parametrize("times", [3.0, 0.5])
+def test_a_replan_corrects_the_family_of_the_choice(monkeypatch, times):
+    """Above the model, what it misses is time a step (waiting for the slowest rank, the
+    framework's overhead), alike at every density: the measured excess of the choice is added
+    to each SparDL density's prediction. Below it, a byte cost less than the probe said: each
+    prediction is scaled by the ratio. The dense ones keep their own correction."""
     link = _link(0.1, 1e-4)
     monkeypatch.setattr(auto_module, "probe_link", lambda transport, device, name: link)
     monkeypatch.setattr(auto_module, "local_seconds_per_entry",
@@ -347,40 +349,44 @@ def test_a_replan_adds_the_measured_excess_to_the_family_of_the_choice(monkeypat
                         ([0.0] * len(densities), 0.0, 0.0))
     names = ["dense", "spardl@0.1", "spardl@0.01", "spardl@0.001"]
     model = {n: sync_seconds(parse_candidate(n), NUMELS, 2, link, 0.0, 0, 0.0) for n in names}
-    measured = 3 * model["spardl@0.01"]
+    measured = times * model["spardl@0.01"]
 
     def work(t):
         grc = Auto(GlobalResidualMemory(), t, candidates=names, measure_steps=2,
                    replan_window=4, min_entries=0)
         grc._plan = {"choice": "spardl@0.01"}
         grc._switch("spardl@0.01")
-        grc._corrections = {"dense": 0.5}
+        grc._corrections = {"dense": (0.5, 1.0)}
         grc._last_numels = dict(zip("abc", NUMELS))
         grc._compute = [0.05]
-        grc._replan(torch.device("cpu"), measured_dense=False, ratio=3.0, measured=measured)
+        grc._replan(torch.device("cpu"), measured_dense=False, ratio=times, measured=measured)
         return grc.plan, grc._corrections
 
     excess = measured - model["spardl@0.01"]
     for plan, corrections in run_local(2, work):
         sync = plan["predicted_sync_s"]
         assert sync["dense"] == pytest.approx(model["dense"] + 0.5)
-        for n in names[1:]:
-            assert sync[n] == pytest.approx(model[n] + excess)
-            assert corrections[n] == pytest.approx(excess)
         assert sync["spardl@0.01"] == pytest.approx(measured)
-        assert sync["spardl@0.1"] - sync["spardl@0.01"] == pytest.approx(
-            model["spardl@0.1"] - model["spardl@0.01"])  # their difference is the model's
+        for n in names[1:]:
+            if times > 1:
+                assert sync[n] == pytest.approx(model[n] + excess)
+                assert corrections[n] == pytest.approx((excess, 1.0))
+            else:
+                assert sync[n] == pytest.approx(model[n] * times)
+                assert corrections[n] == (0.0, times)
 
 
 def test_the_correction_keeps_the_measured_prediction_within_its_range_of_the_model():
-    from spardl_grace.communicators.auto import CORRECTION_RANGE, _corrected, _excess
+    from spardl_grace.communicators.auto import CORRECTION_RANGE, _corrected, _correction
 
     low, high = CORRECTION_RANGE
-    assert _excess(0.3, 0.1) == pytest.approx(0.2)
-    assert _excess(100.0, 0.1) == pytest.approx((high - 1) * 0.1)  # a wild window, bounded
-    assert _excess(0.0, 0.1) == pytest.approx((low - 1) * 0.1)
-    assert _corrected(0.01, 0.2) == pytest.approx(0.21)  # a sparser candidate: no upper bound
-    assert _corrected(0.01, -0.5) == pytest.approx(low * 0.01)
+    assert _correction(0.3, 0.1) == (pytest.approx(0.2), 1.0)
+    assert _correction(100.0, 0.1) == (pytest.approx((high - 1) * 0.1), 1.0)  # a wild window
+    assert _correction(0.05, 0.1) == (0.0, 0.5)
+    assert _correction(0.0, 0.1) == (0.0, low)
+    assert _correction(0.2, 0.0) == (0.0, 1.0)  # no model to correct: calibrated, unchanged
+    assert _corrected(0.01, (0.2, 1.0)) == pytest.approx(0.21)  # a sparser one: no upper bound
+    assert _corrected(0.01, (0.0, 0.5)) == pytest.approx(0.005)
 
 
 def test_a_resumed_run_continues_bit_for_bit():
@@ -395,28 +401,55 @@ def test_a_resumed_run_continues_bit_for_bit():
     state = torch.load(_saved(first[0]["state"]), weights_only=True)
     assert state["communicator"]["choice"] == "spardl@0.01"
     assert state["communicator"]["plan"]["choice"] == "spardl@0.01"
-    assert {"excess_s", "strayed"} <= set(state["communicator"])
+    assert {"corrections", "strayed"} <= set(state["communicator"])
 
 
-def test_a_checkpoint_with_the_older_ratio_corrections_resumes_uncorrected():
-    """Before corrections were seconds of excess they were ratios to the model, which do not
-    convert without it: such a checkpoint resumes its plan with the model uncorrected (the
-    next straying window re-plans at once)."""
-    params = {**AUTO, "auto_candidates": ["dense", "spardl@0.01"]}
+def test_a_checkpoint_with_the_older_ratio_corrections_resumes_with_them_converted():
+    """Before a correction added seconds, it was a ratio that scaled the model; the saved
+    plan's prediction is the model scaled by it, so a ratio above 1 converts into the seconds
+    it added there, and one below 1 stays a factor."""
+    params = {**AUTO, "auto_candidates": ["dense", "dense16", "spardl@0.01"]}
 
     def work(t):
         state = _steps(t, params, 6)["state"]
         own = dict(state["communicator"])
-        own["corrections"] = {n: 4.0 for n in own.pop("excess_s")}
+        own["corrections"] = {"dense": 4.0, "dense16": 0.5}
         own.pop("strayed")
         grc = grace_from_params(params, t)
         grc.load_state_dict({**state, "communicator": own})
         kept = {k: grc.plan[k] for k in ("choice", "step", "predicted_sync_s")}
         return kept == {k: own["plan"][k] for k in kept} and grc.choice == own["choice"], \
-            grc._corrections
+            grc._corrections, own["plan"]["predicted_sync_s"]
 
-    for same_plan, corrections in run_local(2, work):
-        assert same_plan and corrections == {}
+    for same_plan, corrections, predicted in run_local(2, work):
+        assert same_plan
+        assert corrections["dense"] == pytest.approx((predicted["dense"] * 0.75, 1.0))
+        assert corrections["dense16"] == (0.0, 0.5)
+        assert set(corrections) == {"dense", "dense16"}
+
+
+def test_a_run_resumed_while_a_stray_awaits_confirmation_confirms_it_after_half_a_window():
+    def work(t):
+        grc = Auto(GlobalResidualMemory(), t, candidates=["dense", "spardl@0.01"],
+                   measure_steps=2, replan_window=4, min_entries=0)
+        grc._plan = dict(PLANNED)
+        grc._switch("spardl@0.01")
+        grc._corrections = dict(CALIBRATED)
+        grc._window = [0.2] * 4
+        grc._plan_or_check(torch.device("cpu"))
+        saved = grc._own_state()
+        resumed = Auto(GlobalResidualMemory(), t, candidates=["dense", "spardl@0.01"],
+                       measure_steps=2, replan_window=4, min_entries=0)
+        resumed._load_own_state(saved)
+        replans = []
+        resumed._replan = lambda device, measured_dense, ratio=1.0, measured=0.0: \
+            replans.append(measured)
+        resumed._window = [0.2] * 2
+        resumed._plan_or_check(torch.device("cpu"))
+        return saved["strayed"], resumed._corrections, replans
+
+    for strayed, corrections, replans in run_local(2, work):
+        assert strayed == 1 and corrections == CALIBRATED and replans == [pytest.approx(0.2)]
 
 
 def _saved(state: dict):

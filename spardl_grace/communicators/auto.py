@@ -19,11 +19,13 @@ prediction no measurement has corrected yet (SparDL's, after a plan made on dens
 re-plans at once: the model was wrong for this machine. Otherwise a stray is confirmed by a
 second window of half the length straying the same way before it re-plans (the link changed),
 so the noise of one window on a steady link does not cost a probe. A re-plan probes and plans
-again with the measured excess over the model (seconds a step: the stragglers' wait and the
-framework's overhead the model does not see, alike at every density) kept as the correction of
-the choice's family. The candidates share one memory, so the residuals carry over a change of
-plan (a dense step sends them all). Its state (plan, link, measurements, corrections, SparDL's
-counters) is checkpointed with the memory.
+again with a correction of the choice's family from what it measured: above the model, the
+excess in seconds is added to each member's prediction (the stragglers' wait and the
+framework's overhead the model does not see, alike at every density); below it, each member's
+prediction is scaled by the ratio (the probe overestimated the cost of a byte). The
+candidates share one memory, so the residuals carry over a change of plan (a dense step sends
+them all). Its state (plan, link, measurements, corrections, SparDL's counters) is
+checkpointed with the memory.
 
 A step is recognised without help from the caller: it begins where a tensor name comes again,
 so every integration (DistributedOptimizer, the DDP hook, GRACE's own loop) gets the same
@@ -236,8 +238,8 @@ class Auto(Synchronizer):
         self._plan: dict[str, Any] = {}
         self._compute: list[float] = []  # the latest steps' time outside synchronisation
         self._window: list[float] = []  # synchronisation seconds per step since the plan
-        #: seconds each candidate's measured synchronisation exceeded the model's, by name
-        self._corrections: dict[str, float] = {}
+        #: per candidate name, (seconds added, factor) correcting the model (see _correction)
+        self._corrections: dict[str, tuple[float, float]] = {}
         #: which way the last window strayed since the plan (+1 slower, -1 faster, 0 not)
         self._strayed = 0
         self._replans = 0
@@ -369,18 +371,18 @@ class Auto(Synchronizer):
         dense = sync_seconds(Candidate("dense", "dense"), numels, size, link)
         if measured_dense and self._window and dense > 0:
             # The measured steps ran dense: their all-reduces calibrate the dense candidates.
-            excess = _excess(statistics.median(self._window), dense)
-            corrections.update({n: excess for n in model if self._family(n) == "dense"})
-        elif not measured_dense and model.get(self.choice, 0) > 0:
+            fix = _correction(statistics.median(self._window), dense)
+            corrections.update({n: fix for n in model if self._family(n) == "dense"})
+        elif not measured_dense:
             # What the model misses for the choice (waiting for the slowest rank, the
             # framework's overhead) is time a step, not per byte: the main job's SparDL
             # steps cost the same at 0.01 and 0.003, where scaling the model's
             # prediction by the measured ratio put them 36% apart. It is alike for the
             # choice's family: the dense ones, or SparDL's densities.
-            excess = _excess(measured, model[self.choice])
+            fix = _correction(measured, model[self.choice])
             family = self._family(self.choice)
-            corrections.update({n: excess for n in model if self._family(n) == family})
-        sync = {n: _corrected(model[n], corrections.get(n, 0.0)) for n in model}
+            corrections.update({n: fix for n in model if self._family(n) == family})
+        sync = {n: _corrected(model[n], corrections.get(n, (0.0, 1.0))) for n in model}
         sent = {c.name: sync_bytes(c, numels, size, self.min_entries) for c in self._candidates}
         steps = [compute + sync[c.name] for c in self._candidates]
         index = choose(steps, [sent[c.name] for c in self._candidates], self.budget)
@@ -396,7 +398,8 @@ class Auto(Synchronizer):
                 sixteen.alpha,
                 sixteen.beta,
                 *(sync[c.name] for c in self._candidates),
-                *(corrections.get(c.name, math.nan) for c in self._candidates),
+                *(corrections.get(c.name, (math.nan,) * 2)[0] for c in self._candidates),
+                *(corrections.get(c.name, (math.nan,) * 2)[1] for c in self._candidates),
             ],
             dtype=torch.float64,
         )
@@ -410,8 +413,9 @@ class Auto(Synchronizer):
         names = [c.name for c in self._candidates]
         index, compute = int(vector[0]), vector[1]
         sync = dict(zip(names, vector[8 : 8 + count]))
+        added, factors = vector[8 + count : 8 + 2 * count], vector[8 + 2 * count : 8 + 3 * count]
         self._corrections = {
-            n: e for n, e in zip(names, vector[8 + count : 8 + 2 * count]) if not math.isnan(e)
+            n: (a, f) for n, a, f in zip(names, added, factors) if not math.isnan(a)
         }
         link = Link(Fit(vector[2], vector[3]), Fit(vector[4], vector[5]), Fit(vector[6], vector[7]))
         chosen = self._candidates[index]
@@ -483,7 +487,7 @@ class Auto(Synchronizer):
             "plan": _plain(self._plan),
             "compute": list(self._compute),
             "window": list(self._window),
-            "excess_s": dict(self._corrections),
+            "corrections": {n: list(c) for n, c in self._corrections.items()},
             "strayed": self._strayed,
             "replans": self._replans,
             "numels": dict(self._last_numels),
@@ -506,9 +510,10 @@ class Auto(Synchronizer):
         }
         self._compute = list(state["compute"])
         self._window = list(state["window"])
-        # Checkpoints before the excess_s key held ratios ('corrections'): they do not
-        # convert without their model, so the next check calibrates afresh.
-        self._corrections = dict(state.get("excess_s", {}))
+        self._corrections = {
+            n: _from_saved(c, self._plan["predicted_sync_s"].get(n, 0.0))
+            for n, c in state["corrections"].items()
+        }
         self._strayed = int(state.get("strayed", 0))
         self._replans = int(state["replans"])
         self._sparse._load_own_state(state["spardl"])
@@ -517,18 +522,32 @@ class Auto(Synchronizer):
         self._numels, self._last_numels = {}, dict(state["numels"])
 
 
-def _excess(measured: float, model: float) -> float:
-    """Seconds `measured` exceeds `model` by, bounded so that the model corrected by it stays
-    within CORRECTION_RANGE of the model."""
+def _correction(measured: float, model: float) -> tuple[float, float]:
+    """(seconds added, factor) that correct `model` to `measured`, within CORRECTION_RANGE of
+    the model: above it, the excess is added (time a step, the same for a sparser member of
+    the family); below it, the model is scaled (a byte cost less than the probe said)."""
     low, high = CORRECTION_RANGE
-    return min((high - 1) * model, max((low - 1) * model, measured - model))
+    if measured >= model:
+        return min(measured - model, (high - 1) * model), 1.0
+    return 0.0, max(low, measured / model)
 
 
-def _corrected(model: float, excess: float) -> float:
-    """The model's prediction plus the family's measured `excess`, at least CORRECTION_RANGE's
-    lower factor of the model (no upper bound: an excess measured on a denser candidate is
-    time a step, many times a sparser candidate's small prediction)."""
-    return max(CORRECTION_RANGE[0] * model, model + excess)
+def _corrected(model: float, correction: tuple[float, float]) -> float:
+    """`model` scaled by the correction's factor, plus its seconds."""
+    added, factor = correction
+    return model * factor + added
+
+
+def _from_saved(saved: Any, predicted: float) -> tuple[float, float]:
+    """A checkpoint's correction: [seconds added, factor], or, from checkpoints before the
+    seconds, the ratio that scaled the model to the saved plan's `predicted` synchronisation
+    (a ratio above 1 becomes the seconds it added there)."""
+    if isinstance(saved, (list, tuple)):
+        return float(saved[0]), float(saved[1])
+    ratio = float(saved)
+    if ratio >= 1:
+        return predicted * (1 - 1 / ratio), 1.0
+    return 0.0, ratio
 
 
 def _plain(plan: dict[str, Any]) -> dict[str, Any]:
