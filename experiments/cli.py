@@ -231,6 +231,9 @@ def _compression(p: argparse.ArgumentParser) -> None:
                    help="diloco: the outer Nesterov SGD's learning rate (the paper's 0.7)")
     p.add_argument("--diloco-outer-momentum", type=float, default=0.9,
                    help="diloco: the outer SGD's Nesterov momentum (the paper's 0.9; 0: none)")
+    p.add_argument("--diloco-outer-density", type=float, default=None,
+                   help="diloco: average the outer gradient with SparDL at this density, with "
+                        "error feedback (default: a dense all-reduce)")
 
 
 def _paths(p: argparse.ArgumentParser) -> None:
@@ -374,6 +377,8 @@ def _check_compression(args: argparse.Namespace, p: argparse.ArgumentParser) -> 
     if not args.diloco_outer_lr > 0 or not 0 <= args.diloco_outer_momentum < 1:
         p.error("--diloco-outer-lr must be > 0 and --diloco-outer-momentum in [0, 1), got "
                 f"{args.diloco_outer_lr} and {args.diloco_outer_momentum}")
+    if args.diloco_outer_density is not None and not 0 < args.diloco_outer_density <= 1:
+        p.error(f"--diloco-outer-density must be in (0, 1], got {args.diloco_outer_density}")
     if args.postlocal_period < 2 or args.postlocal_start_iter < 0:
         p.error("--postlocal-period must be >= 2 (1 is plain DDP) and --postlocal-start-iter "
                 ">= 0")

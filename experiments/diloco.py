@@ -3,9 +3,17 @@ worker takes H steps of its own optimiser (the inner AdamW) on its own data with
 communication, then the workers average their displacement from the last global model (the
 outer gradient, one dense all-reduce of the parameters) and an outer SGD with Nesterov
 momentum (by default lr 0.7, momentum 0.9, the paper's) moves the global model, which every
-worker then continues from: with lr 1 and no momentum, plain parameter averaging. Bytes: one ring all-reduce of the fp32 parameters every H steps.
+worker then continues from: with lr 1 and no momentum, plain parameter averaging. Bytes: one
+ring all-reduce of the fp32 parameters every H steps.
+
+With an outer density (SparseLoCo's idea, Sarfi et al., 2025), the outer gradient is averaged
+by SparDL on the compact wire with global residuals (error feedback) instead of the dense
+all-reduce: each outer step sends the largest entries of the displacements plus what earlier
+outer steps left behind.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -18,10 +26,15 @@ class DiLoCoSync:
     """DiLoCo behind the training CLI's sync interface (model, optimizer, synchronize, step,
     bytes_sent, last_stats, state). Needs torch.distributed (the self-launched workers or
     torchrun). The run's models are identical after each outer step, and only then.
-    outer_lr, outer_momentum: the outer SGD's (Nesterov when the momentum is not 0)."""
+    outer_lr, outer_momentum: the outer SGD's (Nesterov when the momentum is not 0);
+    outer_density: SparDL's density for the outer gradient (None: the dense all-reduce), over
+    `transport` (the library's, needed then), with `min_entries` as its floor (None: the
+    library's default)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, period: int,
-                 outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM):
+                 outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM,
+                 outer_density: float | None = None, transport: Any = None,
+                 min_entries: int | None = None):
         import torch.distributed as dist
 
         if period < 1:
@@ -37,8 +50,25 @@ class DiLoCoSync:
         self.outer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=outer_momentum > 0)
         self.steps = 0
-        self.bytes_sent = 0
+        self._dense_bytes = 0
         self.last_stats: dict[str, float] = {}
+        self.sparse = None
+        if outer_density is not None:
+            import spardl_grace
+            from spardl_grace.transport import CountingTransport
+
+            if transport is None:
+                raise ValueError("a sparse outer step needs the library's transport")
+            self.counting = CountingTransport(transport)
+            self.sparse = spardl_grace.grace_from_params(
+                {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
+                 "compress_ratio": outer_density, "wire": "compact",
+                 **({} if min_entries is None else {"min_entries": min_entries})}, self.counting)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this worker sent so far: the dense all-reduces' or SparDL's."""
+        return self.counting.bytes_sent if self.sparse is not None else self._dense_bytes
 
     def synchronize(self) -> None:
         """Nothing to do: the inner steps use this worker's own gradient."""
@@ -55,8 +85,13 @@ class DiLoCoSync:
         import torch.distributed as dist
 
         delta = torch.cat([(g - p).reshape(-1) for g, p in zip(self.global_params, self.params)])
-        dist.all_reduce(delta)
-        delta.div_(self.world)
+        if self.sparse is not None:
+            delta = self.sparse.step(delta, "diloco.outer")
+            self.last_stats = dict(self.sparse.last_stats)
+        else:
+            dist.all_reduce(delta)
+            delta.div_(self.world)
+            self._dense_bytes += ring_allreduce_bytes(4 * self.numel, self.world)
         offset = 0
         for g in self.global_params:
             g.grad = delta[offset:offset + g.numel()].view_as(g).clone()
@@ -64,7 +99,6 @@ class DiLoCoSync:
         self.outer.step()
         for g, p in zip(self.global_params, self.params):
             p.copy_(g)
-        self.bytes_sent += ring_allreduce_bytes(4 * self.numel, self.world)
 
     def set_density(self, density: float) -> None:
         raise ValueError("diloco has no density to warm up")

@@ -103,7 +103,8 @@ def build_sync(args: argparse.Namespace, model: torch.nn.Module, transport,
     if args.compression and args.compressor == "diloco":
         from experiments.diloco import DiLoCoSync
         return DiLoCoSync(model, optimizer, args.diloco_period, args.diloco_outer_lr,
-                          args.diloco_outer_momentum), None
+                          args.diloco_outer_momentum, args.diloco_outer_density,
+                          transport, args.min_entries), None
     if is_baseline(args):
         from testbed.baselines import TorchDDPSync
         postlocal = args.compressor == "torch_postlocal"
