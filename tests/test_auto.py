@@ -298,7 +298,7 @@ def _checks(t, corrections: dict, windows: list[list[float]]) -> list[tuple[int,
     grc._corrections = dict(corrections)
     replans = []
 
-    def replan(device, measured_dense, ratio=1.0, measured=0.0):
+    def replan(device, measured_dense, ratio=1.0, measured=0.0, probe=True):
         replans.append(measured)
         grc._strayed = 0
 
@@ -376,6 +376,43 @@ def test_a_replan_corrects_the_family_of_the_choice(monkeypatch, times):
                 assert corrections[n] == (0.0, times)
 
 
+def test_the_models_first_correction_reuses_the_plans_probe_and_a_confirmed_stray_probes(
+        monkeypatch):
+    probes = []
+
+    def probe(transport, device, name):
+        probes.append(transport.rank)
+        return _link(0.1, 1e-4)
+
+    monkeypatch.setattr(auto_module, "probe_link", probe)
+    monkeypatch.setattr(auto_module, "local_seconds_per_entry",
+                        lambda densities, numel, size, device, codec:
+                        ([0.0] * len(densities), 0.0, 0.0))
+
+    def work(t):
+        grc = Auto(GlobalResidualMemory(), t, candidates=["dense", "spardl@0.01"],
+                   measure_steps=2, replan_window=4, min_entries=0)
+        grc._last_numels = dict(zip("abc", NUMELS))
+        grc._steps, grc._compute, grc._window = 2, [0.05], [1.0, 1.0]
+        grc._plan_or_check(torch.device("cpu"))  # the first plan (dense steps measured): probes
+        counts = [probes.count(t.rank)]
+        choice = grc.choice
+        for times, steps in ((5, 4), (3, 4), (3, 2)):
+            predicted = grc.plan["predicted_sync_s"][grc.choice]
+            grc._window = [predicted * times] * steps
+            grc._plan_or_check(torch.device("cpu"))
+            counts.append(probes.count(t.rank))
+        return choice, counts, grc._replans
+
+    ranks = run_local(2, work, timeout=60)
+    choice, counts, replans = ranks[0]
+    assert choice == "spardl@0.01"
+    # first plan: one probe; the uncorrected stray re-plans without one; the next stray
+    # awaits confirmation; the confirmed one probes again
+    assert counts == [1, 1, 1, 2] and replans == 2
+    assert all(r[1] == counts for r in ranks)
+
+
 def test_the_correction_keeps_the_measured_prediction_within_its_range_of_the_model():
     from spardl_grace.communicators.auto import CORRECTION_RANGE, _corrected, _correction
 
@@ -442,7 +479,7 @@ def test_a_run_resumed_while_a_stray_awaits_confirmation_confirms_it_after_half_
                        measure_steps=2, replan_window=4, min_entries=0)
         resumed._load_own_state(saved)
         replans = []
-        resumed._replan = lambda device, measured_dense, ratio=1.0, measured=0.0: \
+        resumed._replan = lambda device, measured_dense, ratio=1.0, measured=0.0, probe=True: \
             replans.append(measured)
         resumed._window = [0.2] * 2
         resumed._plan_or_check(torch.device("cpu"))

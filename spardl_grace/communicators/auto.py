@@ -18,8 +18,9 @@ the budget already tolerates cannot pay for a re-plan). The first window that st
 prediction no measurement has corrected yet (SparDL's, after a plan made on dense steps)
 re-plans at once: the model was wrong for this machine. Otherwise a stray is confirmed by a
 second window of half the length straying the same way before it re-plans (the link changed),
-so the noise of one window on a steady link does not cost a probe. A re-plan probes and plans
-again with a correction of the choice's family from what it measured: above the model, the
+so the noise of one window on a steady link does not cost a probe. A re-plan after a confirmed
+stray probes again (the model's first correction reuses its plan's probe) and plans again with
+a correction of the choice's family from what it measured: above the model, the
 excess in seconds is added to each member's prediction (the stragglers' wait and the
 framework's overhead the model does not see, alike at every density); below it, each member's
 prediction is scaled by the ratio (the probe overestimated the cost of a byte). The
@@ -242,6 +243,8 @@ class Auto(Synchronizer):
         self._corrections: dict[str, tuple[float, float]] = {}
         #: which way the last window strayed since the plan (+1 slower, -1 faster, 0 not)
         self._strayed = 0
+        #: the last probe: the link and the local seconds (local_seconds_per_entry's)
+        self._probed: tuple[Link, list[float], float, float] | None = None
         self._replans = 0
         self._seen: set[str] = set()
         self._numels: dict[str, int] = {}  # this step's tensors
@@ -319,7 +322,9 @@ class Auto(Synchronizer):
             family = self._family(self.choice)
             calibrated = any(self._family(n) == family for n in self._corrections)
             if direction and (direction == self._strayed or not calibrated):
-                self._replan(device, measured_dense=False, ratio=ratio, measured=measured)
+                self._replan(
+                    device, measured_dense=False, ratio=ratio, measured=measured, probe=calibrated
+                )
             else:
                 self._strayed = direction
 
@@ -345,19 +350,34 @@ class Auto(Synchronizer):
         return ratio, measured
 
     def _replan(
-        self, device: torch.device, measured_dense: bool, ratio: float = 1.0, measured: float = 0.0
+        self,
+        device: torch.device,
+        measured_dense: bool,
+        ratio: float = 1.0,
+        measured: float = 0.0,
+        probe: bool = True,
     ) -> None:
         """Probe, predict on rank 0, take rank 0's plan on every rank, switch to its choice.
         measured_dense: the window holds the measured dense steps (the first plan); otherwise
         `measured` is the window's synchronisation under the current choice, `ratio` its
-        ratio to the prediction."""
-        link = probe_link(self.transport, device, "auto.probe")
+        ratio to the prediction. probe=False reuses this run's last probe where there is one
+        (a correction of the model, which a window after that probe asks for, needs no new
+        one; every rank has one, or none, alike)."""
         size = self.transport.size
         sparse = [c for c in self._candidates if c.kind == "spardl"]
         numels = list(self._last_numels.values())
-        select, casts, coding = local_seconds_per_entry(
-            [c.density for c in sparse], max(numels, default=1), size, device, self._sparse.codec
-        )
+        if probe or self._probed is None:
+            self._probed = (
+                probe_link(self.transport, device, "auto.probe"),
+                *local_seconds_per_entry(
+                    [c.density for c in sparse],
+                    max(numels, default=1),
+                    size,
+                    device,
+                    self._sparse.codec,
+                ),
+            )
+        link, select, casts, coding = self._probed
         local_of = {c.name: s for c, s in zip(sparse, select)}
         local_of.update({c.name: casts for c in self._candidates if c.kind == "dense16"})
         compute = statistics.median(self._compute) if self._compute else 0.0
@@ -517,6 +537,7 @@ class Auto(Synchronizer):
         self._strayed = int(state.get("strayed", 0))
         self._replans = int(state["replans"])
         self._sparse._load_own_state(state["spardl"])
+        self._probed = None
         self._switch(choice)
         self._seen, self._step_start, self._step_sync = set(), None, 0.0
         self._numels, self._last_numels = {}, dict(state["numels"])
