@@ -286,16 +286,27 @@ PLANNED = {"choice": "spardl@0.01", "predicted_sync_s": {"dense": 1.0, "spardl@0
            "predicted_step_s": {"dense": 2.0, "spardl@0.01": 1.1}}
 
 
+def _dense_and_spardl(t) -> Auto:
+    """Auto choosing between dense and SparDL at 0.01, planning after 2 steps, every 4."""
+    return Auto(GlobalResidualMemory(), t, candidates=["dense", "spardl@0.01"], measure_steps=2,
+                replan_window=4, min_entries=0)
+
+
+def _planned(t, corrections: dict) -> Auto:
+    """_dense_and_spardl with PLANNED's plan on SparDL and `corrections` as its own."""
+    grc = _dense_and_spardl(t)
+    grc._plan = dict(PLANNED)
+    grc._switch("spardl@0.01")
+    grc._corrections = dict(corrections)
+    return grc
+
+
 def _checks(t, corrections: dict, windows: list[list[float]]) -> list[tuple[int, int, bool]]:
     """A plan predicting SparDL's synchronisation at 0.1 s of a 1.1-s step (so the budget's
     floor, 0.055 s, is above the tolerance's 0.025 s); each window's synchronisation seconds
     put in place before a step's check. Per window: re-plans so far, which way the window
     strayed, whether it was checked (the check empties it)."""
-    grc = Auto(GlobalResidualMemory(), t, candidates=["dense", "spardl@0.01"], measure_steps=2,
-               replan_window=4, min_entries=0)
-    grc._plan = dict(PLANNED)
-    grc._switch("spardl@0.01")
-    grc._corrections = dict(corrections)
+    grc = _planned(t, corrections)
     replans = []
 
     def replan(device, measured_dense, ratio=1.0, measured=0.0, probe=True):
@@ -390,8 +401,7 @@ def test_the_models_first_correction_reuses_the_plans_probe_and_a_confirmed_stra
                         ([0.0] * len(densities), 0.0, 0.0))
 
     def work(t):
-        grc = Auto(GlobalResidualMemory(), t, candidates=["dense", "spardl@0.01"],
-                   measure_steps=2, replan_window=4, min_entries=0)
+        grc = _dense_and_spardl(t)
         grc._last_numels = dict(zip("abc", NUMELS))
         grc._steps, grc._compute, grc._window = 2, [0.05], [1.0, 1.0]
         grc._plan_or_check(torch.device("cpu"))  # the first plan (dense steps measured): probes
@@ -467,16 +477,11 @@ def test_a_checkpoint_with_the_older_ratio_corrections_resumes_with_them_convert
 
 def test_a_run_resumed_while_a_stray_awaits_confirmation_confirms_it_after_half_a_window():
     def work(t):
-        grc = Auto(GlobalResidualMemory(), t, candidates=["dense", "spardl@0.01"],
-                   measure_steps=2, replan_window=4, min_entries=0)
-        grc._plan = dict(PLANNED)
-        grc._switch("spardl@0.01")
-        grc._corrections = dict(CALIBRATED)
+        grc = _planned(t, CALIBRATED)
         grc._window = [0.2] * 4
         grc._plan_or_check(torch.device("cpu"))
         saved = grc._own_state()
-        resumed = Auto(GlobalResidualMemory(), t, candidates=["dense", "spardl@0.01"],
-                       measure_steps=2, replan_window=4, min_entries=0)
+        resumed = _dense_and_spardl(t)
         resumed._load_own_state(saved)
         replans = []
         resumed._replan = lambda device, measured_dense, ratio=1.0, measured=0.0, probe=True: \

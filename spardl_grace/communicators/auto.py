@@ -405,6 +405,7 @@ class Auto(Synchronizer):
         sync = {n: _corrected(model[n], corrections.get(n, (0.0, 1.0))) for n in model}
         sent = {c.name: sync_bytes(c, numels, size, self.min_entries) for c in self._candidates}
         steps = [compute + sync[c.name] for c in self._candidates]
+        fixes = [corrections.get(c.name, (math.nan, math.nan)) for c in self._candidates]
         index = choose(steps, [sent[c.name] for c in self._candidates], self.budget)
         sixteen = link.allreduce16 or link.allreduce
         mine = torch.tensor(
@@ -418,8 +419,8 @@ class Auto(Synchronizer):
                 sixteen.alpha,
                 sixteen.beta,
                 *(sync[c.name] for c in self._candidates),
-                *(corrections.get(c.name, (math.nan,) * 2)[0] for c in self._candidates),
-                *(corrections.get(c.name, (math.nan,) * 2)[1] for c in self._candidates),
+                *(added for added, _ in fixes),
+                *(factor for _, factor in fixes),
             ],
             dtype=torch.float64,
         )
