@@ -73,10 +73,11 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, window: int = 25) -> None:
         losses = [s["loss"] for s in run["steps"]]
         smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
                   for i in range(len(losses))]
-        ax_loss.plot(range(len(smooth)), smooth, label=name, linewidth=1)
+        ax_loss.plot([s["step"] for s in run["steps"]], smooth, label=name, linewidth=1)
         ax_acc.plot([e["epoch"] + 1 for e in run["epochs"]],
                     [e["test_accuracy"] for e in run["epochs"]], marker="o", label=name)
-    ax_loss.set(xlabel="step", ylabel=f"training loss (mean of {window} steps)", yscale="log")
+    ax_loss.set(xlabel="step", ylabel=f"training loss (mean of {window} logged steps)",
+               yscale="log")
     ax_acc.set(xlabel="epoch", ylabel="test accuracy")
     ax_acc.legend()
     fig.tight_layout()

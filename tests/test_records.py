@@ -97,6 +97,64 @@ def test_the_pack_command_packs_finished_runs_and_leaves_a_running_one(tmp_path,
     assert (tmp_path / "cfg" / "running-seed0.tar.xz").exists()
 
 
+def _long_log(steps: int) -> str:
+    """A resumed run's log: steps 0..steps-1, the last 7 of them logged again after the
+    restart, with evaluations and epochs between the step lines."""
+    lines = []
+    for s in [*range(steps), *range(steps - 7, steps)]:
+        lines.append({"kind": "step", "step": s, "epoch": s // 500, "loss": 1.0 / (s + 1),
+                      "step_s": 0.25 + (s % 3) / 8, "ok": True, "choice": "spardl@0.01"})
+        if s % 500 == 499:
+            lines.append({"kind": "eval", "step": s + 1, "test_accuracy": s / steps})
+    lines.append({"kind": "run", "steps_run": steps})
+    return "".join(json.dumps(r) + "\n" for r in lines)
+
+
+def test_thinning_keeps_every_strideth_step_line_and_the_last_and_sums_what_it_drops():
+    text = _long_log(1205)
+    records_in = [json.loads(line) for line in text.splitlines()]
+    thinned = records.thin_log(text, stride=10)
+    out = [json.loads(line) for line in thinned.splitlines()]
+    steps_in = [r for r in records_in if r["kind"] == "step"]
+    kept = [r for r in records_in
+            if r["kind"] != "step" or r["step"] % 10 == 0 or r is steps_in[-1]]
+    assert out[:-1] == kept  # verbatim and in order, evaluations and the end included
+    summary = out[-1]
+    assert summary["kind"] == "thinned" and summary["stride"] == 10
+    # 0, 10, .., 1200; 1200 again after the restart; the last line (1204)
+    assert summary["step_lines"] == 1212 and summary["kept"] == 123
+    assert set(summary["sum"]) == {"loss", "step_s"}  # not step, epoch, flags or names
+    assert summary["sum"]["step_s"] == sum(r["step_s"] for r in steps_in)
+    assert summary["median"]["step_s"] == 0.375
+    # thinning twice changes nothing; a short log and stride 1 are left alone
+    assert records.thin_log(thinned) == thinned
+    short = _long_log(records.THIN_ABOVE - 7)
+    assert records.thin_log(short) == short and records.thin_log(text, stride=1) == text
+
+
+def test_packing_thins_a_long_log_unless_told_and_packed_runs_thin_in_place(tmp_path, capsys):
+    text = _long_log(2000)
+    folders = {}
+    for way in ("pack", "keep", "later"):
+        folders[way] = _run_folder(tmp_path / way / "run-seed0")
+        (folders[way] / "log.jsonl").write_text(text)
+    packed = records.pack(folders["pack"])
+    assert records.open_run(packed).read_text("log.jsonl") == records.thin_log(text)
+    records.main(["pack", "--keep-steps", str(tmp_path / "keep")])
+    kept = tmp_path / "keep" / "run-seed0.tar.xz"
+    assert records.open_run(kept).read_text("log.jsonl") == text
+    capsys.readouterr()
+    later = records.pack(folders["later"], thin=False)
+    before, after = records.thin_archive(later)
+    assert after < before / 5 and after == later.stat().st_size
+    # a run thinned once packed is the archive packing would have written: no change for git
+    assert later.read_bytes() == packed.read_bytes()
+    assert records.thin_archive(later) == (after, after)
+    records.main(["thin", str(tmp_path)])
+    assert capsys.readouterr().out.splitlines() == [f"{kept}: {before:,} -> {after:,} bytes"]
+    assert kept.read_bytes() == packed.read_bytes()
+
+
 def test_the_checkout_stays_within_its_size_budget_and_recorded_runs_are_packed():
     """Fails when recorded runs outgrow the budget or a run's logs are tracked unpacked. Pack
     them: python -m testbed.records pack experiments/results/FOLDER."""
