@@ -124,7 +124,14 @@ def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -
         params["adam_freeze_step"] = args.adam_freeze_step
     if args.exchange != "gradient":
         params["exchange"] = args.exchange
+    params.update(outer_options(args))
     return {**params, **library_warmup(args, steps_per_epoch)}
+
+def outer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The GRACE keys of --exchange-period, --outer-lr and --outer-momentum that differ from
+    their defaults (the library's: an exchange every step, the average as it is)."""
+    defaults = {"exchange_period": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
+    return {k: getattr(args, k) for k, v in defaults.items() if getattr(args, k) != v}
 
 def auto_params(args: argparse.Namespace) -> dict[str, Any]:
     """GRACE params of 'communicator': 'auto' (it chooses the density itself: --density is not
@@ -271,6 +278,16 @@ def _paths(p: argparse.ArgumentParser) -> None:
                    help="what this library's DistributedOptimizer synchronises: the gradient, or "
                         "each rank's own optimizer step (grace_from_params' 'exchange'; update: "
                         "not with --ddp-hook, --fsdp or a baseline)")
+    p.add_argument("--exchange-period", type=int, default=1,
+                   help="with --exchange update: each rank's optimizer steps this many times on "
+                        "its own gradients between exchanges of their moves (DiLoCo's H; "
+                        "grace_from_params' 'exchange_period')")
+    p.add_argument("--outer-lr", type=float, default=1.0,
+                   help="with --exchange update: the outer step's learning rate on the averaged "
+                        "move (grace_from_params' 'outer_lr'; DiLoCo's 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.0,
+                   help="with --exchange update: the outer step's Nesterov momentum "
+                        "(grace_from_params' 'outer_momentum'; DiLoCo's 0.9)")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
     p.add_argument("--value", default="polyfit")
@@ -393,6 +410,10 @@ def _check_compression(args: argparse.Namespace, p: argparse.ArgumentParser) -> 
         p.error("--exchange update synchronises each rank's optimizer step in this library's "
                 "DistributedOptimizer: it needs --compression with this library's algorithm, "
                 "and none of a baseline, --fsdp, --ddp-hook, --momentum-correction")
+    outer = [f"--{k.replace('_', '-')}" for k in outer_options(args)]
+    if outer and args.exchange != "update":
+        p.error(f"{', '.join(outer)} shape the exchange of the ranks' optimizer steps: "
+                "they need --exchange update")
 
 
 def is_baseline(args: argparse.Namespace) -> bool:

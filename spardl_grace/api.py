@@ -294,6 +294,11 @@ class Synchronizer(ABC):
     #: grace_from_params' 'exchange': what DistributedOptimizer's ranks synchronise,
     #: 'gradient' or 'update' (each rank's own optimizer step)
     exchange = "gradient"
+    #: grace_from_params' 'exchange_period', 'outer_lr' and 'outer_momentum': with 'exchange':
+    #: 'update', the steps between exchanges and the outer step on the averaged moves
+    exchange_period = 1
+    outer_lr = 1.0
+    outer_momentum = 0.0
     #: attributes that differ between ranks by design (a rank's place in a schedule), left out
     #: of the fingerprint the ranks agree on
     RANK_LOCAL: tuple[str, ...] = ()

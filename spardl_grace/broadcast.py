@@ -94,7 +94,10 @@ def broadcast_optimizer_state(
 
     For a spardl_grace.DistributedOptimizer the compression state follows
     resume_compression_state: residuals stay each rank's own, a rank that has not
-    synchronised yet takes root's step counters and schedules.
+    synchronised yet takes root's step counters and schedules. With 'exchange_period' or
+    'outer_momentum', every rank takes root's outer state (the parameters of the last
+    exchange, the outer momentum, the steps since: the same on every rank by design), so the
+    ranks exchange at the same step from the same place.
 
     The ranks first check that their optimizers have the same class and parameter shapes (all
     raise ValueError at once otherwise). The transport is the DistributedOptimizer's, else
@@ -114,6 +117,14 @@ def broadcast_optimizer_state(
         optimizer.load_state_dict(state)
     if sync is not None:
         resume_compression_state(sync, root_rank, transport)
+    if getattr(optimizer, "_keeps_outer_state", False):
+        outer = broadcast_object(
+            optimizer._outer_state_dict() if transport.rank == root_rank else None,  # type: ignore[attr-defined]
+            root_rank,
+            transport,
+            "optimizer.outer",
+        )
+        optimizer._load_outer_state_dict(outer)  # type: ignore[attr-defined]
 
 
 def resume_compression_state(sync: Any, root_rank: int, transport: Transport) -> None:

@@ -157,6 +157,7 @@ class _DistributedOptimizer:
         sparse_as_dense: bool = False,
         adam_freeze_step: int = 0,
         exchange: str = "gradient",
+        outer: tuple[int, float, float] = (1, 1.0, 0.0),
     ) -> None:
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(
@@ -172,6 +173,12 @@ class _DistributedOptimizer:
         )
         self._adam_freeze_step = adam_freeze_step
         self._exchange = exchange
+        self._exchange_period, self._outer_lr, self._outer_momentum = outer
+        # 'exchange': 'update''s parameters at the last exchange (None: not taken yet), the
+        # outer step's momentum buffers, and the own steps since the last exchange, per bucket
+        self._anchor: list[torch.Tensor] | None = None
+        self._outer_buffers: list[torch.Tensor | None] | None = None
+        self._local_steps = 0
         self._momentum_correction = getattr(grace.memory, "momentum_correction", 0.0)
         self.backward_passes_per_step = backward_passes_per_step
         self._slots = [_BucketSlot(m) for m in buckets]
@@ -363,25 +370,59 @@ class _DistributedOptimizer:
 
     def _exchange_update(self, closure):
         """'exchange': 'update': the wrapped optimizer steps on this rank's own gradients
-        (with 'adam_freeze_step', Adam's update with the shared second moment frozen); its
-        step (the parameters before minus after, in the communication dtype) is
-        synchronised bucket by bucket as a gradient would be (compressed, with the memory's
-        error feedback), and every rank sets its parameters to the ones before minus that
-        average, the same bits on every rank."""
-        before = [flatten_params(slot.params, slot.dtype) for slot in self._slots]
+        (with 'adam_freeze_step', Adam's update with the shared second moment frozen). Every
+        'exchange_period' such steps, each rank's move since the last exchange (the
+        parameters then minus now, in the communication dtype) is synchronised bucket by
+        bucket as a gradient would be (compressed, with the memory's error feedback), and
+        every rank takes the outer step from the parameters of the last exchange (see
+        _outer_step), the same bits on every rank."""
+        if self._anchor is None:
+            self._anchor = [flatten_params(slot.params, slot.dtype) for slot in self._slots]
         loss = self._own_step(closure, frozen=bool(self._adam_freeze_step))
+        self._local_steps += 1
+        if self._local_steps < self._exchange_period:
+            self._passes = dict.fromkeys(self._passes, 0)
+            return loss
         try:
-            for slot, old in zip(self._slots, before):
-                moved = old - flatten_params(slot.params, slot.dtype)
+            for slot, anchor in zip(self._slots, self._anchor):
+                moved = anchor - flatten_params(slot.params, slot.dtype)
                 self._pending.append(self._sync.submit(moved, slot.bucket))
             self._sync.wait_queued()
-            for slot, old, future in zip(self._slots, before, self._pending):
-                assign_params(slot.params, old.sub_(future.wait()))
+            for i, (slot, future) in enumerate(zip(self._slots, self._pending)):
+                assign_params(slot.params, self._outer_step(i, future.wait()))
         finally:
             self._pending = []
             self._passes = dict.fromkeys(self._passes, 0)
+            self._local_steps = 0
             self._sync.end_step()
+        # The next moves start from what the parameters hold now (rounded to their dtype);
+        # exchanging every step, from what they hold when that step begins, so a change the
+        # user's loop makes between steps stays the user's and is not sent as a move.
+        self._anchor = (
+            None
+            if self._exchange_period == 1
+            else [flatten_params(slot.params, slot.dtype) for slot in self._slots]
+        )
         return loss
+
+    def _outer_step(self, i: int, average: torch.Tensor) -> torch.Tensor:
+        """Bucket i's parameters after an exchange: its anchor minus 'outer_lr' times the
+        averaged move, with 'outer_momentum' m > 0 the move made Nesterov's with torch.optim.SGD's
+        formulas (buffer = m * buffer + move, the first one the move itself; step = move + m *
+        buffer): DiLoCo's outer optimizer. Updates the anchor in place."""
+        anchor = cast(list[torch.Tensor], self._anchor)[i]
+        if self._outer_momentum:
+            if self._outer_buffers is None:
+                self._outer_buffers = [None] * len(self._slots)
+            buffer = self._outer_buffers[i]
+            if buffer is None:
+                buffer = self._outer_buffers[i] = average.clone()
+            else:
+                buffer.mul_(self._outer_momentum).add_(average)
+            average = average.add(buffer, alpha=self._outer_momentum)
+        if self._outer_lr == 1.0:
+            return anchor.sub_(average)
+        return anchor.add_(average, alpha=-self._outer_lr)
 
     def _creates_state(self) -> bool:
         """Whether this step() only creates the optimizer's state: Horovod's
@@ -413,16 +454,65 @@ class _DistributedOptimizer:
         # The wrapped optimizer's class follows this mixin in the MRO (see DistributedOptimizer).
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
+    @property
+    def _keeps_outer_state(self) -> bool:
+        """Whether 'exchange': 'update' carries state from one step to the next: local steps
+        between exchanges, or the outer step's momentum."""
+        return self._exchange == "update" and (
+            self._exchange_period > 1 or self._outer_momentum > 0
+        )
+
     def compression_state_dict(self) -> dict[str, Any]:
         """This rank's compression state (residuals, step counters, thresholds, warm-up
-        progress); save it per rank next to optimizer.state_dict(). Loads with
+        progress; with 'exchange_period' or 'outer_momentum', the outer state too: see
+        _outer_state_dict); save it per rank next to optimizer.state_dict(). Loads with
         torch.load(weights_only=True)."""
-        return self._sync.state_dict()
+        state = self._sync.state_dict()
+        if self._keeps_outer_state:
+            state["outer"] = self._outer_state_dict()
+        return state
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from compression_state_dict(); ValueError if it was written by a run with
-        another number of workers (residuals and schedules do not carry over)."""
+        another number of workers (residuals and schedules do not carry over), or without the
+        outer state this run's 'exchange_period' or 'outer_momentum' needs."""
+        outer = state.get("outer")
+        if self._keeps_outer_state and outer is None:
+            raise ValueError(
+                "this checkpoint holds no outer state ('exchange': 'update' with "
+                "'exchange_period' or 'outer_momentum' keeps the parameters of the last "
+                "exchange and the outer momentum): it was written by a run without them"
+            )
         self._sync.load_state_dict(state)
+        if outer is not None:
+            self._load_outer_state_dict(outer)
+
+    def _outer_state_dict(self) -> dict[str, Any]:
+        """The state 'exchange_period' and 'outer_momentum' carry between steps, the same on
+        every rank by design: the steps since the last exchange, the parameters then and the
+        outer momentum (per bucket; None before the first)."""
+        return {
+            "local_steps": self._local_steps,
+            "anchor": None if self._anchor is None else [a.clone() for a in self._anchor],
+            "momentum": None
+            if self._outer_buffers is None
+            else [None if b is None else b.clone() for b in self._outer_buffers],
+        }
+
+    def _load_outer_state_dict(self, outer: dict[str, Any]) -> None:
+        """Take an _outer_state_dict(), its tensors moved to the buckets' devices."""
+
+        def placed(tensors):
+            if tensors is None:
+                return None
+            return [
+                None if t is None else t.to(slot.params[0].device)
+                for t, slot in zip(tensors, self._slots)
+            ]
+
+        self._local_steps = int(outer["local_steps"])
+        self._anchor = placed(outer["anchor"])
+        self._outer_buffers = placed(outer["momentum"])
 
 
 def DistributedOptimizer(
@@ -533,5 +623,6 @@ def DistributedOptimizer(
         sparse_as_dense,
         grace.adam_freeze_step,
         grace.exchange,
+        (grace.exchange_period, grace.outer_lr, grace.outer_momentum),
     )
     return cast(torch.optim.Optimizer, wrapped)  # cls derives from the optimizer's own class

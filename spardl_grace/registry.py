@@ -384,6 +384,29 @@ PARAMS: tuple[Param, ...] = (
         kind="exchange",
     ),
     ranged(
+        "exchange_period",
+        1,
+        "with 'exchange': 'update': each rank's optimizer takes this many steps on its own "
+        "gradients between exchanges, and the ranks then apply the average of their moves "
+        "since the last one (DiLoCo's H, SparseLoCo's with a sparse communicator; 1: every "
+        "step)",
+        int_at_least(1),
+    ),
+    ranged(
+        "outer_lr",
+        1.0,
+        "with 'exchange': 'update': the outer step's learning rate, applied to the averaged "
+        "move (DiLoCo's 0.7; 1: the average as it is)",
+        number_above(0),
+    ),
+    ranged(
+        "outer_momentum",
+        0.0,
+        "with 'exchange': 'update': the outer step's Nesterov momentum on the averaged moves "
+        "(DiLoCo's 0.9; 0: none)",
+        fraction(low_open=False),
+    ),
+    ranged(
         "min_entries",
         DEFAULT_MIN_ENTRIES,
         "a floor for the sparse all-reduces: every tensor sends at least about this many "
@@ -441,6 +464,8 @@ PARAMS: tuple[Param, ...] = (
         number_above(0),
     ),
 )
+#: the keys that shape 'exchange': 'update' (its period and outer step) and nothing else
+OUTER_KEYS = ("exchange_period", "outer_lr", "outer_momentum")
 #: the keys that configure communicator 'auto' and nothing else
 AUTO_KEYS = tuple(p.key for p in PARAMS if p.key.startswith("auto_"))
 DEFAULTS: dict[str, Any] = {p.key: p.default for p in PARAMS}
@@ -670,6 +695,12 @@ def _check_combination(p: dict[str, Any], coded: bool) -> None:
             "momentum_masking=False keeps the velocity of momentum correction, which is off: "
             "set momentum_correction too, or leave momentum_masking at True"
         )
+    outer = sorted(k for k in OUTER_KEYS if p[k] != DEFAULTS[k])
+    if outer and p["exchange"] != "update":
+        raise ValueError(
+            f"{', '.join(outer)} shape the exchange of the ranks' optimizer steps: set "
+            "'exchange': 'update' too (with 'gradient' the ranks average every gradient)"
+        )
     if comm == "auto":
         return
     for key in ("momentum_correction", "local_clip_norm"):
@@ -810,6 +841,8 @@ def grace_from_params(
     built.adam_freeze_step = p["adam_freeze_step"]
     built.dense_warmup_steps = p["dense_warmup_steps"]
     built.exchange = p["exchange"]
+    for key in OUTER_KEYS:
+        setattr(built, key, p[key])
     if algorithm.family == "sparse" and isinstance(built, SparseAllreduce):
         built.set_density_warmup(p["density_warmup_steps"], p["density_warmup_start"])
         built.set_min_entries(p["min_entries"])

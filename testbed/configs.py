@@ -143,6 +143,8 @@ TECHNIQUES = {
     "hybrid": ["--fsdp", "hybrid"],  # FSDP2 inside 2 "nodes", the sparse all-reduce between
     "flat": ["--fsdp", "flat"],  # FSDP2 over every rank, SparDL's reduce-scatter
     "update": ["--exchange", "update"],  # each rank's optimizer step synchronised, not the gradient
+    # with "update": each rank's own 5 steps between exchanges of their moves (DiLoCo's H)
+    "every5": ["--exchange-period", "5"],
 }
 LR_TECHNIQUES = ("lrwarmup",)  # they change the optimiser, not the synchronisation
 # PyTorch's own answers, as they ship: config name prefix -> (trainer --compressor, the option

@@ -254,6 +254,28 @@ def test_text_models_train_identical_replicas(tmp_path, dnn, dataset, recipe):
     assert 0 <= summaries[0]["test_accuracy"] <= 1 and np.isfinite(summaries[0]["test_loss"])
 
 
+def test_the_cli_runs_diloco_through_the_grace_keys_and_refuses_them_alone(tmp_path):
+    """--exchange update --exchange-period 3 with DiLoCo's outer step: 6 AdamW steps end on an
+    exchange, so the replicas end identical, and a local step's bytes are none (2 exchanges'
+    worth in 6 steps); the outer options alone are refused."""
+    diloco = ["--compression", "--compressor", "spardl", "--optimizer", "adamw", "--max-steps", "6",
+              "--exchange", "update", "--exchange-period", "3", "--outer-lr", "0.7",
+              "--outer-momentum", "0.9"]
+    args = _args(tmp_path / "diloco", *diloco)
+    assert {k: v for k, v in cli.grace_params(args).items()
+            if k in ("exchange", "exchange_period", "outer_lr", "outer_momentum")} == {
+        "exchange": "update", "exchange_period": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
+    every = run_local(2, lambda t: main_trainer.train(args, t))[0]
+    finals = [torch.load(tmp_path / "diloco" / f"final-rank{r}.pt", weights_only=True)
+              for r in range(2)]
+    assert torch.equal(finals[0]["params"], finals[1]["params"])
+    each = _args(tmp_path / "each", *diloco[:-6])
+    assert 2.5 < run_local(2, lambda t: main_trainer.train(each, t))[0][
+        "bytes_sent_per_step"] / every["bytes_sent_per_step"] < 3.5
+    with pytest.raises(SystemExit):
+        _args(tmp_path, "--compression", "--compressor", "spardl", "--exchange-period", "3")
+
+
 def test_log_files_hold_every_step_and_epoch(tmp_path):
     args = _args(tmp_path, "--compression", "--compressor", "spardl", "--max-epochs", "2")
     run_local(2, lambda t: main_trainer.train(args, t))
@@ -774,6 +796,8 @@ def test_ablation_configs_for_the_accuracy_per_byte_front():
     assert configs.config_options("spardl@0.01+adamfreeze25", 1000)[-2:] == [
         "--adam-freeze-step", "250"]
     assert configs.config_options("spardl@0.01+update", 1000)[-2:] == ["--exchange", "update"]
+    assert configs.config_options("spardl@0.25+update+every5", 1000)[-4:] == [
+        "--exchange", "update", "--exchange-period", "5"]
     assert configs.config_options("diloco20", 3744) == [
         "--compression", "--compressor", "diloco", "--density-warmup", "0",
         "--diloco-period", "20"]
