@@ -33,7 +33,7 @@ def trained(output: str) -> tuple[float, float]:
 
 @pytest.mark.parametrize("backend,script", [
     ("gloo", "ddp_comm_hook.py"), ("gloo", "grace_loop.py"), ("mpi", "mpirun_optimizer.py"),
-    ("gloo", "fsdp_flat.py"),
+    ("gloo", "fsdp_flat.py"), ("gloo", "diloco_sparse.py"),
     ("horovod-gloo", "horovod_optimizer.py"), ("horovod-mpi", "horovod_optimizer.py"),
     ("horovod-gloo", "horovod_migration.py"), ("horovod-mpi", "horovod_migration.py"),
     ("horovod-gloo", "grace_migration.py"), ("horovod-mpi", "grace_migration.py")])
