@@ -341,10 +341,24 @@ CALIBRATED = {"spardl@0.01": (0.02, 1.0)}
     # a model no measurement of the choice's family has corrected re-plans at the first stray
     ({}, [[0.2] * 4], [(1, 0, True)]),
     ({"dense": (0.3, 1.0)}, [[0.0] * 4], [(1, 0, True)]),
+    # a first window that measures the model right calibrates it: a later stray (the link
+    # changed) waits for confirmation, as on a corrected model
+    ({}, [[0.1] * 4, [0.2] * 4, [0.2] * 2], [(0, 0, True), (0, 1, True), (1, 0, True)]),
 ])
 def test_the_replan_trigger_on_synthetic_windows(corrections, windows, expected):
     for got in run_local(2, _checks, corrections, windows):
         assert got == expected
+
+
+def test_a_window_that_measures_the_model_right_keeps_it_and_marks_its_family_measured():
+    def work(t):
+        grc = _planned(t, {"dense": (0.3, 1.0)})
+        grc._window = [0.1] * 4
+        grc._plan_or_check(torch.device("cpu"))
+        return grc._corrections
+
+    for corrections in run_local(2, work):
+        assert corrections == {"dense": (0.3, 1.0), "spardl@0.01": (0.0, 1.0)}
 
 
 @pytest.mark.parametrize("times", [3.0, 0.5])

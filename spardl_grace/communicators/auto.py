@@ -14,13 +14,14 @@ step's first tensor (what the integrations sum once a step) and in one log line 
 Every `replan_window` steps the ranks take rank 0's median measured synchronisation of the
 window against the plan's prediction. A window strays when they differ by more than
 `replan_tolerance` of the prediction and by more than `budget` of the predicted step (an error
-the budget already tolerates cannot pay for a re-plan). The first window that strays from a
-prediction no measurement has corrected yet (SparDL's, after a plan made on dense steps)
-re-plans at once: the model was wrong for this machine. Otherwise a stray is confirmed by a
-second window of half the length straying the same way before it re-plans (the link changed),
-so the noise of one window on a steady link does not cost a probe. A re-plan after a confirmed
-stray probes again (the model's first correction reuses its plan's probe) and plans again with
-a correction of the choice's family from what it measured: above the model, the
+the budget already tolerates cannot pay for a re-plan). The first window that measures a
+family (SparDL's, after a plan made on dense steps) calibrates it: if it strays, it re-plans
+at once (the model was wrong for this machine); if not, the model stands as it is. Any later
+stray is confirmed by a second window of half the length straying the same way before it
+re-plans (the link changed), so the noise of one window on a steady link does not cost a
+probe. A re-plan after a confirmed stray probes again (the calibrating re-plan reuses its
+plan's probe) and plans again with a correction of the choice's family from what it
+measured: above the model, the
 excess in seconds is added to each member's prediction (the stragglers' wait and the
 framework's overhead the model does not see, alike at every density); below it, each member's
 prediction is scaled by the ratio (the probe overestimated the cost of a byte). The
@@ -327,6 +328,12 @@ class Auto(Synchronizer):
                 )
             else:
                 self._strayed = direction
+                if not calibrated:
+                    # A window that measured the family as the model predicts calibrates it
+                    # unchanged: a later stray is the link changing, and must be confirmed
+                    # and probed afresh, not blamed on the model (with the old probe).
+                    members = [c.name for c in self._candidates if self._family(c.name) == family]
+                    self._corrections.update(dict.fromkeys(members, (0.0, 1.0)))
 
     def _stray(self, ratio: float, measured: float) -> int:
         """+1 (slower) or -1 (faster) when the window's measured synchronisation strays from
