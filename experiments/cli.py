@@ -129,9 +129,9 @@ def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -
 
 def outer_options(args: argparse.Namespace) -> dict[str, Any]:
     """The GRACE keys of --exchange-period, --outer-lr and --outer-momentum that differ from
-    their defaults (the library's: an exchange every step, the average as it is)."""
-    defaults = {"exchange_period": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
-    return {k: getattr(args, k) for k, v in defaults.items() if getattr(args, k) != v}
+    the library's defaults (an exchange every step, the average as it is)."""
+    return {k: getattr(args, k) for k in registry.OUTER_KEYS
+            if getattr(args, k) != registry.DEFAULTS[k]}
 
 def auto_params(args: argparse.Namespace) -> dict[str, Any]:
     """GRACE params of 'communicator': 'auto' (it chooses the density itself: --density is not
@@ -278,14 +278,14 @@ def _paths(p: argparse.ArgumentParser) -> None:
                    help="what this library's DistributedOptimizer synchronises: the gradient, or "
                         "each rank's own optimizer step (grace_from_params' 'exchange'; update: "
                         "not with --ddp-hook, --fsdp or a baseline)")
-    p.add_argument("--exchange-period", type=int, default=1,
+    p.add_argument("--exchange-period", type=int, default=registry.DEFAULTS["exchange_period"],
                    help="with --exchange update: each rank's optimizer steps this many times on "
                         "its own gradients between exchanges of their moves (DiLoCo's H; "
                         "grace_from_params' 'exchange_period')")
-    p.add_argument("--outer-lr", type=float, default=1.0,
+    p.add_argument("--outer-lr", type=float, default=registry.DEFAULTS["outer_lr"],
                    help="with --exchange update: the outer step's learning rate on the averaged "
                         "move (grace_from_params' 'outer_lr'; DiLoCo's 0.7)")
-    p.add_argument("--outer-momentum", type=float, default=0.0,
+    p.add_argument("--outer-momentum", type=float, default=registry.DEFAULTS["outer_momentum"],
                    help="with --exchange update: the outer step's Nesterov momentum "
                         "(grace_from_params' 'outer_momentum'; DiLoCo's 0.9)")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
