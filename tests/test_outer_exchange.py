@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import deepreduce_compat  # noqa: F401  (registers DeepReduce's keys)
 import pytest
 import torch
 
@@ -21,6 +22,9 @@ from test_update_exchange import UPDATE, _batch, _flat, _model, _residuals
 
 DILOCO = {**UPDATE, "exchange_period": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
 EXACT = {"compress_ratio": 1.0, "wire": "exact"}
+# SparseLoCo's cheap entries: DeepReduce's delta-coded indices and QSGD values (stochastic
+# rounding), whose error each sender keeps in its residual
+CHEAP = {"deepreduce": "both", "index": "delta", "value": "qsgd"}
 
 
 def _loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
@@ -111,11 +115,13 @@ def test_at_density_one_it_is_diloco_with_the_outer_nesterov_step(lr, momentum):
         assert not torch.equal(runs[0]["after"][step], runs[1]["after"][step])
 
 
-def test_sparse_moves_conserve_their_mass_and_keep_the_ranks_identical():
+@pytest.mark.parametrize("codec", [{}, CHEAP], ids=["compact", "delta_qsgd"])
+def test_sparse_moves_conserve_their_mass_and_keep_the_ranks_identical(codec):
     """SparseLoCo's exchange (outer lr 1, no momentum): at each exchange, the ranks' moves
     since the last one plus their old residuals equal P times the move applied plus the new
-    residuals; the move applied is sparse and the same on every rank."""
-    params = {**UPDATE, "exchange_period": 2}
+    residuals; the move applied is sparse and the same on every rank, also with its entries
+    quantised (the rounding stays in the residuals)."""
+    params = {**UPDATE, "exchange_period": 2, **codec}
     size, steps = 3, 8
     runs = run_local(size, train, params, steps)
     anchor = _flat(_model())
@@ -132,13 +138,16 @@ def test_sparse_moves_conserve_their_mass_and_keep_the_ranks_identical():
         assert all(torch.equal(r["new"][step], r["old"][step]) for r in runs)
 
 
-def test_a_run_cut_between_exchanges_resumes_bit_for_bit():
+@pytest.mark.parametrize("codec", [{}, CHEAP], ids=["compact", "delta_qsgd"])
+def test_a_run_cut_between_exchanges_resumes_bit_for_bit(codec):
     """Cut after 4 steps (one into the second period, with outer momentum) and resumed from
-    each rank's checkpoint, the run ends where it would have; a checkpoint without the outer
-    state is refused rather than resumed from the wrong place."""
-    whole = run_local(2, train, DILOCO, 8)
-    half = run_local(2, train, DILOCO, 4)
-    rest = run_local(2, lambda t: train(t, DILOCO, 4, half[t.rank]["state"], first=4))
+    each rank's checkpoint, the run ends where it would have (QSGD's rounding draws too);
+    a checkpoint without the outer state is refused rather than resumed from the wrong
+    place."""
+    params = {**DILOCO, **codec}
+    whole = run_local(2, train, params, 8)
+    half = run_local(2, train, params, 4)
+    rest = run_local(2, lambda t: train(t, params, 4, half[t.rank]["state"], first=4))
     for rank in range(2):
         assert torch.equal(rest[rank]["after"][-1], whole[rank]["after"][-1])
     plain = run_local(1, train, UPDATE, 1)[0]["state"]
