@@ -10,8 +10,8 @@ sent in between.
 sees a sparse gradient; 'exchange_period' is DiLoCo's H; 'outer_lr' and 'outer_momentum' are
 its outer SGD with Nesterov momentum (here plain averaging, which did best on a small
 transformer); the codec keys make an entry cost 0.44 of the compact wire's bytes, so the
-density can be twice as high at the same bytes (this setting ended lowest at about 1/24 of
-dense's bytes on the accuracy page's transformer). The ranks share parameters after each
+density can be twice as high at the same bytes (this setting had the lowest mean of the
+5-seed sparse arms at about 1/24 of dense's bytes on the accuracy page's transformer). The ranks share parameters after each
 exchange: evaluate and save then.
 """
 import torch
