@@ -229,29 +229,38 @@ def _interval(points: list[float] | None) -> str:
     return "one seed" if points is None else f"{points[0]:+.2f}..{points[1]:+.2f} points"
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+Point = tuple[float, float, float, float, str, str | None]  # bytes, mean, min, max, label, colour
+
+
+def plot_points(points: list[Point], path: Path, title: str, ylabel: str) -> None:
+    """One error bar (min..max about the mean) per point against MB per step (log scale),
+    each labelled, saved as a PNG at `path`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"dense": "black", "fp16": "grey", "powersgd": "tab:red", "postlocal": "tab:purple",
-               "spardl": "tab:blue", "topka": "tab:green"}
     fig, ax = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        acc = r["accuracy"]
-        ax.errorbar(r["bytes_run"] / 1e6, acc["mean"],
-                    yerr=[[acc["mean"] - acc["min"]], [acc["max"] - acc["mean"]]],
-                    fmt="o", capsize=3, color=colours.get(r["family"], "tab:orange"))
-        ax.annotate(f"{r['config']} ({len(r['seeds'])})", (r["bytes_run"] / 1e6, acc["mean"]),
-                    fontsize=7, xytext=(4, 3), textcoords="offset points")
+    for x, mean, low, high, label, colour in points:
+        ax.errorbar(x / 1e6, mean, yerr=[[mean - low], [high - mean]], fmt="o", capsize=3,
+                    color=colour)
+        ax.annotate(label, (x / 1e6, mean), fontsize=7, xytext=(4, 3), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("MB sent per step and worker (whole run, log scale)")
-    ax.set_ylabel("final test accuracy (mean; bars: min..max over seeds)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    colours = {"dense": "black", "fp16": "grey", "powersgd": "tab:red", "postlocal": "tab:purple",
+               "spardl": "tab:blue", "topka": "tab:green"}
+    plot_points([(r["bytes_run"], r["accuracy"]["mean"], r["accuracy"]["min"],
+                  r["accuracy"]["max"], f"{r['config']} ({len(r['seeds'])})",
+                  colours.get(r["family"], "tab:orange")) for r in rows],
+                path, title, "final test accuracy (mean; bars: min..max over seeds)")
 
 
 def whole_numbers(p: argparse.ArgumentParser, option: str, value: str, unit: str) -> list[int]:
