@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="comma-separated ALGORITHM[@DENSITY][+TECHNIQUE...]; ALGORITHM: dense, a "
-                        "sparse all-reduce, fp16, powersgdR or postlocalH (PyTorch's); "
+                        "sparse all-reduce, auto (no density: the library's choice), fp16, "
+                        "powersgdR or postlocalH (PyTorch's); "
                         "techniques: " + ", ".join(f"{k} ({' '.join(v)})" for k, v in TECHNIQUES.items()))
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--dnn", default="mnistcnn")

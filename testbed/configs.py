@@ -162,7 +162,9 @@ def config_options(config: str, total_steps: int = 0) -> list[str]:
     """The CLI options of a config ALGORITHM[@DENSITY][+TECHNIQUE...]: 'dense' (with learning-
     rate techniques only); 'fp16', 'powersgdR' (PowerSGD's hook at rank R), 'postlocalH' (post-
     local SGD averaging every H steps), which start compressing at START_FRACTION of
-    `total_steps`; or a sparse all-reduce ('spardl@0.003+warmup2ep+compact')."""
+    `total_steps`; a sparse all-reduce ('spardl@0.003+warmup2ep+compact'), without the
+    library's floor unless 'floor' is among the techniques; or 'auto' (the library's choice,
+    with its default floor)."""
     head, *techniques = config.split("+")
     algorithm, _, density = head.partition("@")
     options = ["--density", density] if density else []
@@ -183,11 +185,15 @@ def config_options(config: str, total_steps: int = 0) -> list[str]:
             raise ValueError(f"{algorithm} is PyTorch's own; it takes only the learning-rate "
                              f"techniques: {', '.join(LR_TECHNIQUES)}")
         return baseline + [option for t in techniques for option in TECHNIQUES[t]]
+    if algorithm == "auto" and density:
+        raise ValueError(f"{config!r}: auto chooses its own density; write auto")
     options += ["--compression", "--compressor", algorithm]
     if not any(t.startswith("warmup") for t in techniques):
         options += ["--density-warmup", "0"]  # the training CLI warms up by default
-    if "floor" not in techniques:
-        options += ["--min-entries", "0"]  # so that a config's density is the density sent
+    if "floor" not in techniques and algorithm != "auto":
+        # so that a config's density is the density sent; auto keeps the library's floor, as
+        # its users get it
+        options += ["--min-entries", "0"]
     for t in techniques:
         if t.startswith("adamfreeze"):
             options += ["--adam-freeze-step", str(_freeze_step(t, total_steps))]

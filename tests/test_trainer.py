@@ -758,6 +758,12 @@ def test_ablation_configs_name_the_training_cli_options():
         "--compression", "--compressor", "spardl", "--density-warmup", "0", "--min-entries", "0"]
     assert configs.config_options("spardl@0.001+floor")[-2:] == ["--min-entries", "2048"]
     assert "--min-entries" not in configs.config_options("dense")
+    # auto as its users get it: the library's floor, no density of the harness's
+    assert configs.config_options("auto") == [
+        "--compression", "--compressor", "auto", "--density-warmup", "0"]
+    assert configs.config_options("auto+floor")[-2:] == ["--min-entries", "2048"]
+    with pytest.raises(ValueError, match="auto chooses its own density"):
+        configs.config_options("auto@0.01")
     with pytest.raises(ValueError, match="only the learning-rate techniques: lrwarmup"):
         configs.config_options("dense+warmup")
     with pytest.raises(ValueError, match="unknown technique 'nope'"):
