@@ -44,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated ALGORITHM[@DENSITY][+TECHNIQUE...]; ALGORITHM: dense, a "
                         "sparse all-reduce, auto (no density: the library's choice), fp16, "
                         "powersgdR or postlocalH (PyTorch's); "
-                        "techniques: " + ", ".join(f"{k} ({' '.join(v)})" for k, v in TECHNIQUES.items()))
+                        "techniques: " + ", ".join(f"{k} ({' '.join(v)})" for k, v in TECHNIQUES.items())
+                        + ", adamfreeze[PCT] (--adam-freeze-step at PCT%% of the steps, 10 by "
+                        "default), everyN (--exchange-period N)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--dnn", default="mnistcnn")
     p.add_argument("--dataset", default="fashion-mnist")

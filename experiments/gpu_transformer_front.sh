@@ -19,7 +19,7 @@ export PYTHONPATH=$ROOT PYTHONUNBUFFERED=1
 timeout "$LEFT" "${PYTHON:-python3}" -m experiments.ablation --dnn transformer \
     --dataset wikipedia-chars --workers 4 --batch-size 16 --lr 3e-3 --max-epochs 2 \
     --train-samples 32000 --test-samples 1000 --seeds 0,1,2 --parallel "${PARALLEL:-3}" \
-    --configs "${CONFIGS:-dense,fp16,powersgd4,powersgd16,spardl@0.01+update+adamfreeze,spardl@0.01+update,spardl@0.04+update,spardl@0.01,diloco100,spardl@0.001,spardl@0.01+adamfreeze,spardl@0.01+adamfreeze25,spardl@0.001+adamfreeze,postlocal20,diloco20}" \
+    --configs "${CONFIGS:-dense,fp16,powersgd4,powersgd16,spardl@0.4+update+every4+coded,spardl@0.01+update+adamfreeze,spardl@0.01+update,spardl@0.04+update,spardl@0.01,diloco100,spardl@0.001,spardl@0.01+adamfreeze,spardl@0.01+adamfreeze25,spardl@0.001+adamfreeze,postlocal20,diloco20}" \
     --extra "--device cuda --data-dir $DATA --optimizer adamw --warmup-epochs 0.1 --clip-norm 1 --eval-every 100" \
     --out "$RUNS"
 echo "front exited $?"

@@ -143,8 +143,8 @@ TECHNIQUES = {
     "hybrid": ["--fsdp", "hybrid"],  # FSDP2 inside 2 "nodes", the sparse all-reduce between
     "flat": ["--fsdp", "flat"],  # FSDP2 over every rank, SparDL's reduce-scatter
     "update": ["--exchange", "update"],  # each rank's optimizer step synchronised, not the gradient
-    # with "update": each rank's own 5 steps between exchanges of their moves (DiLoCo's H)
-    "every5": ["--exchange-period", "5"],
+    # SparseLoCo's cheap entries: DeepReduce's delta-coded indices and QSGD values
+    "coded": ["--deepreduce", "both", "--index", "delta", "--value", "qsgd"],
 }
 LR_TECHNIQUES = ("lrwarmup",)  # they change the optimiser, not the synchronisation
 # PyTorch's own answers, as they ship: config name prefix -> (trainer --compressor, the option
@@ -198,9 +198,16 @@ def config_options(config: str, total_steps: int = 0) -> list[str]:
         if t.startswith("adamfreeze"):
             options += ["--adam-freeze-step", str(_freeze_step(t, total_steps))]
             continue
+        if t.startswith("every"):
+            # with "update": each rank's own N steps between exchanges of their moves (DiLoCo's H)
+            period = t[len("every"):]
+            if not (period.isdigit() and int(period) >= 1):
+                raise ValueError(f"{t!r}: write everyN, N >= 1 (the exchange period)")
+            options += ["--exchange-period", period]
+            continue
         if t not in TECHNIQUES:
             raise ValueError(f"unknown technique {t!r}; valid: {', '.join(TECHNIQUES)}, "
-                             "adamfreeze, adamfreezePCT")
+                             "adamfreeze, adamfreezePCT, everyN")
         options += TECHNIQUES[t]
     return options
 

@@ -804,6 +804,9 @@ def test_ablation_configs_for_the_accuracy_per_byte_front():
     assert configs.config_options("spardl@0.01+update", 1000)[-2:] == ["--exchange", "update"]
     assert configs.config_options("spardl@0.25+update+every5", 1000)[-4:] == [
         "--exchange", "update", "--exchange-period", "5"]
+    assert configs.config_options("spardl@0.4+update+every4+coded", 1000)[-10:] == [
+        "--exchange", "update", "--exchange-period", "4",
+        "--deepreduce", "both", "--index", "delta", "--value", "qsgd"]
     assert configs.config_options("diloco20", 3744) == [
         "--compression", "--compressor", "diloco", "--density-warmup", "0",
         "--diloco-period", "20"]
@@ -811,7 +814,9 @@ def test_ablation_configs_for_the_accuracy_per_byte_front():
                        ("fp162", "write fp16"), ("spardl@1.5", "must be a number in"),
                        ("dense@0.1", "only the learning-rate"), ("postlocal4+mc", "PyTorch's own"),
                        ("spardl@0.01+adamfreeze100", "0 < PCT < 100"),
-                       ("spardl@0.01+adamfreezex", "0 < PCT < 100")]:
+                       ("spardl@0.01+adamfreezex", "0 < PCT < 100"),
+                       ("spardl@0.4+update+every0", "write everyN"),
+                       ("spardl@0.4+update+everyx", "write everyN")]:
         with pytest.raises(ValueError, match=match):
             configs.config_options(bad, 3744)
 
