@@ -361,12 +361,15 @@ def test_a_window_that_measures_the_model_right_keeps_it_and_marks_its_family_me
         assert corrections == {"dense": (0.3, 1.0), "spardl@0.01": (0.0, 1.0)}
 
 
+@pytest.mark.parametrize("probe", [False, True], ids=["calibrating", "confirmed_stray"])
 @pytest.mark.parametrize("times", [3.0, 0.5])
-def test_a_replan_corrects_the_family_of_the_choice(monkeypatch, times):
+def test_a_replan_corrects_the_family_of_the_choice(monkeypatch, times, probe):
     """Above the model, what it misses is time a step (waiting for the slowest rank, the
     framework's overhead), alike at every density: the measured excess of the choice is added
     to each SparDL density's prediction. Below it, a byte cost less than the probe said: each
-    prediction is scaled by the ratio. The dense ones keep their own correction."""
+    prediction is scaled by the ratio. The dense ones keep their own correction when the
+    window calibrates SparDL's model, and lose it after a confirmed stray (the conditions it
+    was measured under changed), so their next plan calibrates them afresh."""
     link = _link(0.1, 1e-4)
     monkeypatch.setattr(auto_module, "probe_link", lambda transport, device, name: link)
     monkeypatch.setattr(auto_module, "local_seconds_per_entry",
@@ -384,13 +387,18 @@ def test_a_replan_corrects_the_family_of_the_choice(monkeypatch, times):
         grc._corrections = {"dense": (0.5, 1.0)}
         grc._last_numels = dict(zip("abc", NUMELS))
         grc._compute = [0.05]
-        grc._replan(torch.device("cpu"), measured_dense=False, ratio=times, measured=measured)
+        grc._replan(torch.device("cpu"), measured_dense=False, ratio=times, measured=measured,
+                    probe=probe)
         return grc.plan, grc._corrections
 
     excess = measured - model["spardl@0.01"]
     for plan, corrections in run_local(2, work):
         sync = plan["predicted_sync_s"]
-        assert sync["dense"] == pytest.approx(model["dense"] + 0.5)
+        if probe:
+            assert sync["dense"] == pytest.approx(model["dense"]) and "dense" not in corrections
+        else:
+            assert sync["dense"] == pytest.approx(model["dense"] + 0.5)
+            assert corrections["dense"] == (0.5, 1.0)
         assert sync["spardl@0.01"] == pytest.approx(measured)
         for n in names[1:]:
             if times > 1:

@@ -21,7 +21,8 @@ stray is confirmed by a second window of half the length straying the same way b
 re-plans (the link changed), so the noise of one window on a steady link does not cost a
 probe. A re-plan after a confirmed stray probes again (the calibrating re-plan reuses its
 plan's probe) and plans again with a correction of the choice's family from what it
-measured: above the model, the
+measured, dropping the other family's (measured under the conditions that changed: that
+family's next plan is calibrated afresh by its first window): above the model, the
 excess in seconds is added to each member's prediction (the stragglers' wait and the
 framework's overhead the model does not see, alike at every density); below it, each member's
 prediction is scaled by the ratio (the probe overestimated the cost of a byte). The
@@ -408,6 +409,13 @@ class Auto(Synchronizer):
             # choice's family: the dense ones, or SparDL's densities.
             fix = _correction(measured, model[self.choice])
             family = self._family(self.choice)
+            if probe:
+                # A confirmed stray: the conditions changed, and the other family's correction
+                # was measured under the old ones. Kept, a correction taken during a passing
+                # load outlived it (a ResNet-20 run stayed 6 epochs on bfloat16 dense, 1.2x
+                # slower, with SparDL's excess of that minute); dropped, the family's next
+                # plan is calibrated afresh by its first window.
+                corrections = {n: c for n, c in corrections.items() if self._family(n) == family}
             corrections.update({n: fix for n in model if self._family(n) == family})
         sync = {n: _corrected(model[n], corrections.get(n, (0.0, 1.0))) for n in model}
         sent = {c.name: sync_bytes(c, numels, size, self.min_entries) for c in self._candidates}
