@@ -37,6 +37,7 @@ from benchmarks import twonode
 from benchmarks.comm import machine, write_json
 from benchmarks.comm_worker import synchronize
 from benchmarks.launch import launch_env, launcher_command
+from testbed.load import load_burst
 from testbed.netem import EmulatedNetwork, available, rate_bits_per_s, rate_change, run_all
 from benchmarks.netns_ssh import on_node
 from testbed import configs
@@ -67,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-change", default=None, metavar="STEP:RATE",
                    help="every run's link reshaped to RATE at STEP (the training CLI's option): "
                         "a link that changes mid-run, for 'auto' to re-plan")
+    p.add_argument("--load-burst", default=None, metavar="STEP:STEPS",
+                   help="every run's rank 0 starts a busy process per core at STEP for STEPS "
+                        "steps (the training CLI's option): other work passing through, for "
+                        "'auto' to measure through and recover from")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", type=int, default=3, help="steps left out of the median")
@@ -117,6 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 raise ValueError(f"STEP must lie within the run's {args.steps} steps")
         except ValueError as exc:
             p.error(f"--bandwidth-change STEP:RATE, e.g. 40:100mbit: {exc}")
+    if args.load_burst is not None:
+        try:
+            if load_burst(args.load_burst)[0] >= args.steps:
+                raise ValueError(f"STEP must lie within the run's {args.steps} steps")
+        except ValueError as exc:
+            p.error(f"--load-burst: {exc}")
     if args.steps <= args.skip:
         p.error("--steps must be larger than --skip")
     if args.repeats < 1:
@@ -175,6 +186,7 @@ def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Pa
     # holds exactly one averaging).
     period = _period(options)
     cmd = _trainer(args, out, args.workers, options, eval_every=period or None)
+    cmd += ["--load-burst", args.load_burst] if args.load_burst else []
     if args.launcher == "horovodrun":
         under_horovodrun(cmd[1:], args.workers, rate)
     else:

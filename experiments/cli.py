@@ -320,6 +320,10 @@ def _run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-change", default=None, metavar="STEP:RATE",
                    help="with --bandwidth: every rank reshapes what it sends to RATE at the "
                         "start of step STEP (a link that changes mid-run)")
+    p.add_argument("--load-burst", default=None, metavar="STEP:STEPS",
+                   help="rank 0 starts a busy process per core at the start of step STEP and "
+                        "stops them STEPS steps later (other work on the machine: what "
+                        "'communicator': 'auto' measures through and must recover from)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="evaluate every N steps as well as after each epoch (0: epochs only)")
     p.add_argument("--target-accuracy", type=float, default=None,
@@ -367,6 +371,12 @@ def _check_run(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             p.error(f"--bandwidth: {exc}")
     if args.bandwidth_change is not None:
         args.bandwidth_change = _bandwidth_change(args, p)
+    if args.load_burst is not None and not isinstance(args.load_burst, (list, tuple)):
+        from testbed.load import load_burst
+        try:
+            args.load_burst = load_burst(str(args.load_burst))
+        except ValueError as exc:
+            p.error(f"--load-burst: {exc}")
 
 
 def _bandwidth_change(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[int, str]:

@@ -31,6 +31,7 @@ from experiments.syncs import build_sync
 from spardl_grace import launch
 from spardl_grace.checkpoint import load_agreed_checkpoint, save_checkpoint
 from spardl_grace.warmup import warmup_density
+from testbed.load import LoadBurst
 from testbed.netem import interface_tx_bytes, reshape_own_link
 
 # The sparse all-reduces' own split of a sync (seconds); GRACE's loop reports none of them.
@@ -177,6 +178,8 @@ class Trainer:
         self.logger.log({"kind": "start", "step": self.first_step,
                          "resumed": self.resumed is not None}, self.first_step)
         self.progress = _progress(self.rank, args.max_epochs * self.steps_per_epoch)
+        # One machine's cores: rank 0 alone starts the other work.
+        self.load = LoadBurst(*args.load_burst) if args.load_burst and self.rank == 0 else None
         self.clock = Clock()
         first_epoch = self.first_step // max(self.steps_per_epoch, 1)
         self.totals = {"time_to_target_s": None, "steps_to_target": None, "steps": 0,
@@ -305,10 +308,14 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Every epoch from the one resumed, then the run's summary and final parameters."""
         first_epoch, first_in_epoch = divmod(self.first_step, max(self.steps_per_epoch, 1))
-        for epoch in range(first_epoch, self.args.max_epochs):
-            self._epoch(epoch, first_in_epoch if epoch == first_epoch else 0)
-            if self.totals["stopped"]:
-                break
+        try:
+            for epoch in range(first_epoch, self.args.max_epochs):
+                self._epoch(epoch, first_in_epoch if epoch == first_epoch else 0)
+                if self.totals["stopped"]:
+                    break
+        finally:
+            if self.load is not None:
+                self.load.stop()
         self.progress.close()
         return self._finish()
 
@@ -349,6 +356,8 @@ class Trainer:
                 sync.set_density(density)
         if args.bandwidth_change is not None and step == args.bandwidth_change[0]:
             reshape_own_link(args.bandwidth_change[1])
+        if self.load is not None:
+            self.load.at_step(step)
         x, y = self.images[batch].to(self.device), self.labels[batch].to(self.device)
         step_start = time.perf_counter()
         sync.optimizer.zero_grad()
