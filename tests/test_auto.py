@@ -282,7 +282,8 @@ def test_a_changed_link_triggers_a_replan_at_the_end_of_the_window(monkeypatch):
     assert all(r == replans for r in ranks)
 
 
-PLANNED = {"choice": "spardl@0.01", "predicted_sync_s": {"dense": 1.0, "spardl@0.01": 0.1},
+PLANNED = {"choice": "spardl@0.01", "compute_s": 1.0,
+           "predicted_sync_s": {"dense": 1.0, "spardl@0.01": 0.1},
            "predicted_step_s": {"dense": 2.0, "spardl@0.01": 1.1}}
 
 
@@ -301,22 +302,26 @@ def _planned(t, corrections: dict) -> Auto:
     return grc
 
 
-def _checks(t, corrections: dict, windows: list[list[float]]) -> list[tuple[int, int, bool]]:
-    """A plan predicting SparDL's synchronisation at 0.1 s of a 1.1-s step (so the budget's
-    floor, 0.055 s, is above the tolerance's 0.025 s); each window's synchronisation seconds
-    put in place before a step's check. Per window: re-plans so far, which way the window
-    strayed, whether it was checked (the check empties it)."""
+def _checks(t, corrections: dict, windows: list, probes: list | None = None
+            ) -> list[tuple[int, int, bool]]:
+    """A plan predicting SparDL's synchronisation at 0.1 s of a 1.1-s step, 1 s of it compute
+    (so the budget's floor, 0.055 s, is above the tolerance's 0.025 s of synchronisation and
+    below its 0.25 s of compute); each window's synchronisation seconds (and compute, when a
+    window is a (seconds, compute) pair; else the plan's) put in place before a step's check.
+    Per window: re-plans so far, which way the window strayed, whether it was checked (the
+    check empties it). Each re-plan's probe goes into `probes`."""
     grc = _planned(t, corrections)
-    replans = []
+    replans = probes if probes is not None else []
 
     def replan(device, measured_dense, ratio=1.0, measured=0.0, probe=True):
-        replans.append(measured)
+        replans.append(probe)
         grc._strayed = 0
 
     grc._replan = replan
     out = []
     for window in windows:
-        grc._window = list(window)
+        sync, compute = window if isinstance(window, tuple) else (window, 1.0)
+        grc._window, grc._compute = list(sync), [compute] * len(sync)
         grc._plan_or_check(torch.device("cpu"))
         out.append((len(replans), grc._strayed, not grc._window))
     return out
@@ -344,10 +349,55 @@ CALIBRATED = {"spardl@0.01": (0.02, 1.0)}
     # a first window that measures the model right calibrates it: a later stray (the link
     # changed) waits for confirmation, as on a corrected model
     ({}, [[0.1] * 4, [0.2] * 4, [0.2] * 2], [(0, 0, True), (0, 1, True), (1, 0, True)]),
+    # compute that strays past the tolerance and the budget's floor (load came or went), with
+    # the choice's synchronisation as predicted: a stray awaiting confirmation, either way
+    (CALIBRATED, [([0.1] * 4, 0.6), ([0.1] * 2, 0.6)], [(0, -1, True), (1, 0, True)]),
+    (CALIBRATED, [([0.1] * 4, 1.5), ([0.1] * 2, 1.4)], [(0, 1, True), (1, 0, True)]),
+    # confirmed by the synchronisation straying the same way (both: the machine slowed)
+    (CALIBRATED, [([0.1] * 4, 1.5), [0.2] * 2], [(0, 1, True), (1, 0, True)]),
+    # within the tolerance; or a passing spike, back by the confirming window: no re-plan
+    (CALIBRATED, [([0.1] * 4, 0.8), ([0.1] * 4, 1.2)], [(0, 0, True), (0, 0, True)]),
+    (CALIBRATED, [([0.1] * 4, 0.6), ([0.1] * 2, 1.0)], [(0, -1, True), (0, 0, True)]),
+    # a family not yet measured: the compute's stray does not re-plan at once, and the window
+    # (its synchronisation as predicted) calibrates the family
+    ({}, [([0.1] * 4, 0.6), ([0.1] * 2, 0.6)], [(0, -1, True), (1, 0, True)]),
 ])
 def test_the_replan_trigger_on_synthetic_windows(corrections, windows, expected):
     for got in run_local(2, _checks, corrections, windows):
         assert got == expected
+
+
+def test_a_replan_for_a_change_of_load_probes_afresh_and_drops_the_other_familys_correction(
+        monkeypatch):
+    """A run that planned under a passing load (its compute 1 s a step) measures 0.6 s once the
+    load has gone, while its choice's synchronisation still matches the prediction: the
+    confirmed stray re-plans with a fresh probe, on the new compute, and without the other
+    family's correction, which was measured under the load."""
+    def probes_of(t) -> list[bool]:
+        probes: list[bool] = []
+        _checks(t, CALIBRATED, [([0.1] * 4, 0.6), ([0.1] * 2, 0.6)], probes)
+        return probes
+
+    assert run_local(2, probes_of) == [[True], [True]]
+    link = _link(0.1, 1e-4)
+    monkeypatch.setattr(auto_module, "probe_link", lambda transport, device, name: link)
+    monkeypatch.setattr(auto_module, "local_seconds_per_entry",
+                        lambda densities, numel, size, device, codec:
+                        ([0.0] * len(densities), 0.0, 0.0))
+
+    def work(t):
+        grc = _planned(t, {"dense": (0.5, 1.0), "spardl@0.01": (0.0, 1.0)})
+        grc._last_numels = dict(zip("abc", NUMELS))
+        for compute in (0.6, 0.6):
+            due = grc.replan_window // 2 if grc._strayed else grc.replan_window
+            predicted = grc.plan["predicted_sync_s"][grc.choice]
+            grc._window, grc._compute = [predicted] * due, [compute] * due
+            grc._plan_or_check(torch.device("cpu"))
+        return grc.plan, grc._corrections, grc._replans
+
+    for plan, corrections, replans in run_local(2, work):
+        assert replans == 1 and plan["compute_s"] == pytest.approx(0.6)
+        assert "dense" not in corrections and "spardl@0.01" in corrections
 
 
 def test_a_window_that_measures_the_model_right_keeps_it_and_marks_its_family_measured():

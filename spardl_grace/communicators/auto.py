@@ -14,20 +14,23 @@ step's first tensor (what the integrations sum once a step) and in one log line 
 Every `replan_window` steps the ranks take rank 0's median measured synchronisation of the
 window against the plan's prediction. A window strays when they differ by more than
 `replan_tolerance` of the prediction and by more than `budget` of the predicted step (an error
-the budget already tolerates cannot pay for a re-plan). The first window that measures a
-family (SparDL's, after a plan made on dense steps) calibrates it: if it strays, it re-plans
-at once (the model was wrong for this machine); if not, the model stands as it is. Any later
-stray is confirmed by a second window of half the length straying the same way before it
-re-plans (the link changed), so the noise of one window on a steady link does not cost a
-probe. A re-plan after a confirmed stray probes again (the calibrating re-plan reuses its
-plan's probe) and plans again with a correction of the choice's family from what it
-measured, dropping the other family's (measured under the conditions that changed: that
-family's next plan is calibrated afresh by its first window): above the model, the
-excess in seconds is added to each member's prediction (the stragglers' wait and the
-framework's overhead the model does not see, alike at every density); below it, each member's
-prediction is scaled by the ratio (the probe overestimated the cost of a byte). The
-candidates share one memory, so the residuals carry over a change of plan (a dense step sends
-them all). Its state (plan, link, measurements, corrections, SparDL's counters) is
+the budget already tolerates cannot pay for a re-plan). The first window that measures a family
+(SparDL's, after a plan made on dense steps) calibrates it: if it strays, it re-plans at once
+(the model was wrong for this machine); if not, the model stands as it is. Any later stray is
+confirmed by a second window of half the length straying the same way before it re-plans (the
+link changed), so the noise of one window on a steady link does not cost a probe. A window also
+strays, awaiting confirmation the same way, when its median compute (the step's time outside
+synchronisation) differs from the plan's by as much: other work on the machine came or went, so
+a plan made under a passing load is made again once it has gone, although the choice's own
+synchronisation may still match its prediction. A re-plan after a confirmed stray probes again
+(the calibrating re-plan reuses its plan's probe) and plans again with a correction of the
+choice's family from what it measured, dropping the other family's (measured under the
+conditions that changed: that family's next plan is calibrated afresh by its first window):
+above the model, the excess in seconds is added to each member's prediction (the stragglers'
+wait and the framework's overhead the model does not see, alike at every density); below it,
+each member's prediction is scaled by the ratio (the probe overestimated the cost of a byte).
+The candidates share one memory, so the residuals carry over a change of plan (a dense step
+sends them all). Its state (plan, link, measurements, corrections, SparDL's counters) is
 checkpointed with the memory.
 
 A step is recognised without help from the caller: it begins where a tensor name comes again,
@@ -318,15 +321,22 @@ class Auto(Synchronizer):
             return
         due = max(1, self.replan_window // 2) if self._strayed else self.replan_window
         if self.replan_window and len(self._window) >= due:
-            ratio, measured = self._measured(device)
+            steps = len(self._window)
+            ratio, measured, compute = self._measured(device, steps)
             self._window = []
             direction = self._stray(ratio, measured)
             family = self._family(self.choice)
             calibrated = any(self._family(n) == family for n in self._corrections)
-            if direction and (direction == self._strayed or not calibrated):
+            if direction and not calibrated:
                 self._replan(
-                    device, measured_dense=False, ratio=ratio, measured=measured, probe=calibrated
+                    device, measured_dense=False, ratio=ratio, measured=measured, probe=False
                 )
+                return
+            # Other work on the machine came or went: the plan's compute, and the corrections
+            # measured under it, are out of date even when the choice's synchronisation is not.
+            direction = direction or self._load_changed(compute)
+            if direction and direction == self._strayed:
+                self._replan(device, measured_dense=False, ratio=ratio, measured=measured)
             else:
                 self._strayed = direction
                 if not calibrated:
@@ -347,15 +357,30 @@ class Auto(Synchronizer):
             return 0
         return 1 if off > 0 else -1
 
-    def _measured(self, device: torch.device) -> tuple[float, float]:
+    def _load_changed(self, compute: float) -> int:
+        """+1 (slower) or -1 (faster) when the window's compute strays from the plan's by more
+        than replan_tolerance of it and by more than budget of the predicted step; 0
+        otherwise."""
+        planned = self._plan["compute_s"]
+        off = compute - planned
+        floor = self.budget * self._plan["predicted_step_s"][self.choice]
+        if abs(off) <= self.replan_tolerance * planned or abs(off) <= floor:
+            return 0
+        return 1 if off > 0 else -1
+
+    def _measured(self, device: torch.device, steps: int) -> tuple[float, float, float]:
         """Rank 0's median synchronisation over the window, as a ratio to the plan's
-        prediction and in seconds, the same on every rank."""
+        prediction and in seconds, and its median compute over the window's `steps`, the
+        same on every rank."""
         predicted = self._plan["predicted_sync_s"][self.choice]
         measured = statistics.median(self._window)
         ratio = measured / predicted if predicted > 0 else 1.0
-        shared = torch.tensor([ratio, measured], dtype=torch.float64)
-        ratio, measured = self.transport.broadcast(shared.to(device), 0, "auto.check").tolist()
-        return ratio, measured
+        compute = statistics.median(self._compute[-steps:]) if self._compute else 0.0
+        shared = torch.tensor([ratio, measured, compute], dtype=torch.float64)
+        ratio, measured, compute = self.transport.broadcast(
+            shared.to(device), 0, "auto.check"
+        ).tolist()
+        return ratio, measured, compute
 
     def _replan(
         self,
