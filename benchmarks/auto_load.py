@@ -20,6 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.auto_check import repeats
 from spardl_grace.planner import DEFAULT_CANDIDATES
 from testbed.load import load_burst
 from testbed.stats import welch
@@ -37,7 +38,7 @@ def runs(result: dict[str, Any]) -> list[dict[str, Any]]:
     for network, rows in result["networks"].items():
         if "auto" not in rows:
             continue
-        for run in rows["auto"].get("repeats", [rows["auto"]]):
+        for run in repeats(rows["auto"]):
             times = run["step_times"]
             if not skip < start < end < skip + len(times):
                 raise ValueError(f"the burst (steps {start}..{end - 1}) must lie within the "
