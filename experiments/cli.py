@@ -106,12 +106,7 @@ def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -
     params.update(compress_ratio=args.density, seed=args.seed)
     if params["compressor"] == "powersgd":
         params["powersgd_rank"] = args.powersgd_rank
-    if args.momentum_correction:
-        params["momentum_correction"] = args.momentum_correction
-    if not args.momentum_masking:
-        params["momentum_masking"] = False
-    if args.local_clip_norm is not None:
-        params["local_clip_norm"] = args.local_clip_norm
+    params.update(dgc_options(args))
     if args.deepreduce:
         if params["communicator"] in ("dense", "allreduce", "broadcast"):
             raise SystemExit(f"--deepreduce codes sparse messages; {args.compressor} sends none")
@@ -135,11 +130,24 @@ def outer_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def auto_params(args: argparse.Namespace) -> dict[str, Any]:
     """GRACE params of 'communicator': 'auto' (it chooses the density itself: --density is not
-    passed on), with SparDL's floor where --min-entries sets one."""
+    passed on), with SparDL's floor where --min-entries sets one and DGC's techniques where
+    --momentum-correction, --no-momentum-masking and --local-clip-norm ask for them."""
     params = {"compressor": "none", "memory": "global_residual", "communicator": "auto",
               "seed": args.seed}
     if args.min_entries is not None:
         params["min_entries"] = args.min_entries
+    return {**params, **dgc_options(args)}
+
+def dgc_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The GRACE keys of DGC's techniques that --momentum-correction, --no-momentum-masking and
+    --local-clip-norm ask for (none when they are left alone)."""
+    params: dict[str, Any] = {}
+    if args.momentum_correction:
+        params["momentum_correction"] = args.momentum_correction
+    if not args.momentum_masking:
+        params["momentum_masking"] = False
+    if args.local_clip_norm is not None:
+        params["local_clip_norm"] = args.local_clip_norm
     return params
 
 def library_warmup(args: argparse.Namespace, steps_per_epoch: int | None) -> dict[str, Any]:

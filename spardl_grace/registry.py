@@ -319,14 +319,15 @@ PARAMS: tuple[Param, ...] = (
         "momentum_correction",
         0.0,
         "DGC's momentum correction m for memory global_residual or residual with a sparse "
-        "all-reduce (0: off)",
+        "all-reduce or 'auto' (0: off)",
         (fraction(low_open=False)[0], "a number in [0, 1) (0 turns it off)"),
     ),
     ranged(
         "momentum_masking",
         True,
         "DGC's momentum factor masking with momentum_correction: clear the velocity where the "
-        "result was applied (False keeps it: momentum SGD exactly at density 1)",
+        "result was applied (False keeps it: momentum SGD exactly at density 1; 'auto' keeps "
+        "it on its dense steps either way)",
         boolean(),
     ),
     ranged(
@@ -638,9 +639,10 @@ def refuse_update_exchange(exchange: str, where: str) -> None:
 
 
 def _check_auto(p: dict[str, Any], given: set[str], coded: bool) -> None:
-    """'auto' takes its own keys, SparDL's floor and the dense warm-up; the keys that tune
-    one fixed algorithm (a density, a warm-up of it, a wire, a codec, momentum correction,
-    the optimizer-aware modes) are refused rather than ignored."""
+    """'auto' takes its own keys, SparDL's floor, the dense warm-up and DGC's momentum
+    correction and clipping (its memory's); the keys that tune one fixed algorithm (a
+    density, a warm-up of it, a wire, a codec, the optimizer-aware modes) are refused rather
+    than ignored."""
     if p["communicator"] != "auto":
         own = sorted(given & set(AUTO_KEYS))
         if own:
@@ -658,7 +660,6 @@ def _check_auto(p: dict[str, Any], given: set[str], coded: bool) -> None:
             "density_warmup_steps",
             "density_warmup_start",
             "teams",
-            "momentum_correction",
             "adam_freeze_step",
         }
     )
@@ -701,16 +702,17 @@ def _check_combination(p: dict[str, Any], coded: bool) -> None:
             f"{', '.join(outer)} shape the exchange of the ranks' optimizer steps: set "
             "'exchange': 'update' too (with 'gradient' the ranks average every gradient)"
         )
-    if comm == "auto":
-        return
     for key in ("momentum_correction", "local_clip_norm"):
-        if p[key] and (comm not in SPARSE_COMMUNICATORS or mem not in DGC_TECHNIQUE_MEMORIES):
+        sparse = comm in SPARSE_COMMUNICATORS or comm == "auto"
+        if p[key] and (not sparse or mem not in DGC_TECHNIQUE_MEMORIES):
             raise ValueError(
                 f"{key} is an option of memory {sorted(DGC_TECHNIQUE_MEMORIES)} with a "
-                f"sparse all-reduce ({', '.join(sorted(SPARSE_COMMUNICATORS))}); got "
-                f"memory {mem!r}, communicator {comm!r} (GRACE's 'dgc' memory has its "
+                f"sparse all-reduce ({', '.join(sorted(SPARSE_COMMUNICATORS))}) or 'auto'; "
+                f"got memory {mem!r}, communicator {comm!r} (GRACE's 'dgc' memory has its "
                 "own momentum)"
             )
+    if comm == "auto":
+        return
     if p["exchange"] == "update" and p["momentum_correction"]:
         raise ValueError(
             "'exchange': 'update' sends the optimizer's own step, which already carries its "

@@ -241,6 +241,98 @@ def test_mass_is_conserved_through_every_candidate(candidate):
             assert torch.allclose(before, after, atol=tol, rtol=0), (candidate, step, i)
 
 
+def _momentum_steps(t, candidate: str, steps: int) -> dict:
+    """`steps` steps of auto with momentum correction 0.9 and one candidate (the plan at step
+    3): per step, the result, and this rank's gradient, residual and velocity before and after."""
+    grc = grace_from_params({**AUTO, "auto_candidates": [candidate], "momentum_correction": 0.9,
+                             "auto_replan_window": 0}, t)
+    n = NUMELS[0]
+    record: dict = {"results": [], "grads": [], "old": [], "new": [], "old_u": [], "new_u": []}
+    for step in range(steps):
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + t.rank))
+        record["old"].append(grc.memory.residuals.get("w", torch.zeros(n)).clone())
+        record["old_u"].append(grc.memory.velocities.get("w", torch.zeros(n)).clone())
+        record["results"].append(grc.step(grad, "w").clone())
+        record["grads"].append(grad)
+        record["new"].append(grc.memory.residuals["w"].clone())
+        record["new_u"].append(grc.memory.velocities["w"].clone())
+    record["choice"] = grc.choice
+    return record
+
+
+def test_momentum_correction_keeps_the_velocity_on_dense_steps_and_masks_it_on_spardls():
+    """With momentum correction, auto's dense steps are synchronous SGD with momentum (each
+    result the ranks' mean velocity, u <- 0.9 u + g, nothing masked), its SparDL steps mask the
+    velocity where the result was applied, and mass is conserved through both with the
+    velocity in place of the gradient."""
+    dense = run_local(4, _momentum_steps, "dense", 6)
+    velocities = [torch.zeros(NUMELS[0]) for _ in dense]
+    for step in range(6):
+        for u, r in zip(velocities, dense):
+            u.mul_(0.9).add_(r["grads"][step])
+        mean = sum(v.double() for v in velocities) / 4
+        assert torch.allclose(dense[0]["results"][step].double(), mean, atol=1e-5, rtol=0), step
+        for u, r in zip(velocities, dense):
+            assert torch.allclose(r["new_u"][step], u, atol=1e-5, rtol=0), step
+    sparse = run_local(4, _momentum_steps, "spardl@0.01", 6)
+    assert sparse[0]["choice"] == "spardl@0.01"
+    for step in range(6):
+        result = sparse[0]["results"][step]
+        applied = result != 0
+        for r in sparse:
+            u = r["new_u"][step]
+            if step < 3:  # the measured steps, dense: the velocity is whole
+                assert bool((u != 0).all()), step
+            else:
+                assert 0 < int(applied.sum()) < NUMELS[0] // 10
+                assert bool((u[applied] == 0).all()) and bool((u[~applied] != 0).all()), step
+        before = sum(r["old"][step].double() + 0.9 * r["old_u"][step].double()
+                     + r["grads"][step].double() for r in sparse)
+        after = 4 * result.double() + sum(r["new"][step].double() for r in sparse)
+        assert torch.allclose(before, after, atol=1e-5, rtol=0), step
+
+
+def _sgd_momentum_run(t, corrected: bool) -> torch.Tensor:
+    """Eight steps of SGD(momentum=0.9) on this rank's batches of a small model: through
+    DistributedOptimizer with auto (dense only) and momentum correction, or with the ranks'
+    mean gradient summed by hand; the parameters after them."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+    init = torch.Generator().manual_seed(0)  # the ranks are threads: not the global generator
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=init) * 0.1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if corrected:
+        grc = grace_from_params({**AUTO, "auto_candidates": ["dense"],
+                                 "momentum_correction": 0.9}, t)
+        opt = DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters())
+        return _train_eight_steps(model, opt, t.rank)
+
+    class MeanGradient(torch.optim.Optimizer):
+        def __init__(self) -> None:  # only what _train_eight_steps calls
+            self.param_groups = sgd.param_groups
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            sgd.zero_grad()
+
+        def step(self, closure=None) -> None:
+            for i, p in enumerate(model.parameters()):
+                p.grad = t.allreduce(p.grad.clone(), f"g{i}") / t.size
+            sgd.step()
+
+    return _train_eight_steps(model, MeanGradient(), t.rank)
+
+
+def test_auto_with_momentum_correction_on_dense_steps_trains_as_sgd_with_momentum():
+    """The user's SGD(momentum=0.9) through DistributedOptimizer with auto and momentum
+    correction, on dense steps (measured and chosen), trains as SGD with momentum on the
+    ranks' mean gradient: the memory holds the momentum and never masks it there."""
+    corrected = run_local(2, _sgd_momentum_run, True)
+    reference = run_local(2, _sgd_momentum_run, False)
+    assert torch.equal(corrected[0], corrected[1])
+    assert torch.allclose(corrected[0], reference[0], atol=1e-5, rtol=0)
+
+
 def test_a_changed_link_triggers_a_replan_at_the_end_of_the_window(monkeypatch):
     state = {"slow": False}
     real = Auto._inner
@@ -508,18 +600,24 @@ def test_the_correction_keeps_the_measured_prediction_within_its_range_of_the_mo
     assert _corrected(0.01, (0.0, 0.5)) == pytest.approx(0.005)
 
 
-def test_a_resumed_run_continues_bit_for_bit():
-    params = {**AUTO, "auto_candidates": ["spardl@0.01"]}
+@pytest.mark.parametrize("split", [5, 2])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_resumed_run_continues_bit_for_bit(split, momentum):
+    """Saved after the plan (step 5) or while measuring (step 2: dense, which is not among
+    the candidates), with and without momentum correction (whose velocity is masked after
+    SparDL's steps only)."""
+    params = {**AUTO, "auto_candidates": ["spardl@0.01"], "momentum_correction": momentum}
     whole = run_local(4, _steps, params, 10)
-    first = run_local(4, _steps, params, 5)
-    rest = run_local(4, lambda t: _steps(t, params, 5, first[t.rank]["state"], 5))
+    first = run_local(4, _steps, params, split)
+    rest = run_local(4, lambda t: _steps(t, params, 10 - split, first[t.rank]["state"], split))
     for w, f, r in zip(whole, first, rest):
         resumed = f["results"] + r["results"]
         assert all(torch.equal(a, b) for a, b in zip(w["results"], resumed))
-        assert r["choices"] == w["choices"][5:]
+        assert r["choices"] == w["choices"][split:]
     state = torch.load(_saved(first[0]["state"]), weights_only=True)
-    assert state["communicator"]["choice"] == "spardl@0.01"
-    assert state["communicator"]["plan"]["choice"] == "spardl@0.01"
+    planned = split > AUTO["auto_measure_steps"]
+    assert state["communicator"]["choice"] == ("spardl@0.01" if planned else "dense")
+    assert bool(state["communicator"]["plan"]) == planned
     assert {"corrections", "strayed"} <= set(state["communicator"])
 
 
@@ -598,7 +696,8 @@ def test_ranks_that_disagree_on_auto_settings_all_raise():
     ({"auto_replan_tolerance": 0}, "auto_replan_tolerance must be a number > 0"),
     ({"compress_ratio": 0.01}, "chooses the density itself"),
     ({"density_warmup_steps": 10}, "chooses the density itself"),
-    ({"momentum_correction": 0.9}, "chooses the density itself"),
+    ({"momentum_correction": 0.9, "memory": "none"}, "option of memory"),
+    ({"local_clip_norm": 1.0, "memory": "none"}, "option of memory"),
     ({"exchange": "update"}, "leave 'exchange' at 'gradient'"),
     ({"memory": "dgc"}, "needs memory in"),
     ({"compressor": "qsgd"}, "use compressor 'none'"),

@@ -649,6 +649,22 @@ def test_momentum_correction_settings_are_checked_when_parsed(tmp_path, capsys):
     assert "momentum_masking" not in cli.grace_params(_args(tmp_path, "--compression"))
 
 
+def test_auto_takes_dgcs_techniques_and_trains_with_them(tmp_path):
+    """--compressor auto passes --momentum-correction, --no-momentum-masking and
+    --local-clip-norm on to its memory (they were dropped without a word), and trains
+    identical replicas with momentum correction."""
+    args = _args(tmp_path, "--compression", "--compressor", "auto", "--momentum-correction",
+                 "0.9", "--no-momentum-masking", "--local-clip-norm", "5", "--max-steps", "12")
+    params = cli.grace_params(args)
+    assert (params["momentum_correction"], params["momentum_masking"],
+            params["local_clip_norm"]) == (0.9, False, 5.0)
+    args = _args(tmp_path, "--compression", "--compressor", "auto", "--momentum-correction",
+                 "0.9", "--max-steps", "12")
+    run_local(2, lambda t: main_trainer.train(args, t))
+    finals = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in range(2)]
+    assert torch.equal(finals[0]["params"], finals[1]["params"])
+
+
 def test_time_budget_target_and_evaluations(tmp_path):
     """Evaluations every 2 steps; a budget of 0 s stops at the first one; a target of 0 is
     reached there; evaluation time is not training time."""

@@ -30,8 +30,10 @@ above the model, the excess in seconds is added to each member's prediction (the
 wait and the framework's overhead the model does not see, alike at every density); below it,
 each member's prediction is scaled by the ratio (the probe overestimated the cost of a byte).
 The candidates share one memory, so the residuals carry over a change of plan (a dense step
-sends them all). Its state (plan, link, measurements, corrections, SparDL's counters) is
-checkpointed with the memory.
+sends them all), and so does DGC's momentum correction where the memory has it: the velocity
+is masked after SparDL's steps and kept whole after the dense ones (synchronous SGD with
+momentum), so the momentum survives every change of plan. Its state (plan, link,
+measurements, corrections, SparDL's counters) is checkpointed with the memory.
 
 A step is recognised without help from the caller: it begins where a tensor name comes again,
 so every integration (DistributedOptimizer, the DDP hook, GRACE's own loop) gets the same
@@ -240,6 +242,7 @@ class Auto(Synchronizer):
         self._dense16 = Dense16(memory, self.transport)
         self._sparse = SparDL(memory, self.transport, 0.01, codec=CompactCodec())
         self._sparse.set_min_entries(min_entries)
+        self._mask_velocity(False)  # the measured steps are dense
         self._steps = 0
         self._plan: dict[str, Any] = {}
         self._compute: list[float] = []  # the latest steps' time outside synchronisation
@@ -277,6 +280,14 @@ class Auto(Synchronizer):
         chosen = self._by_name[name]
         if chosen.kind == "spardl":
             self._sparse.set_density(chosen.density)
+        self._mask_velocity(chosen.kind == "spardl")
+
+    def _mask_velocity(self, sparse: bool) -> None:
+        """With momentum correction, the memory masks its velocity after SparDL's steps and
+        keeps it whole after the dense ones (ResidualMemory.keep_velocity)."""
+        keep_velocity = getattr(self.memory, "keep_velocity", None)
+        if keep_velocity is not None:
+            keep_velocity(not sparse)
 
     def _inner(self) -> Synchronizer:
         return {"dense": self._dense, "dense16": self._dense16}.get(self.choice, self._sparse)
@@ -542,16 +553,28 @@ class Auto(Synchronizer):
         )
 
     def _own_state(self) -> dict[str, Any]:
+        # A step closes when the next one begins (_close_step). Saved between steps, the last
+        # one counts as closed (its compute is unknown until then), so a resumed run plans and
+        # checks at the steps an unbroken run does.
+        steps, window, numels = self._steps, list(self._window), self._last_numels
+        if self._seen:
+            if (
+                self._step_start is not None
+                and steps >= 1
+                and (self.replan_window or not self._plan)
+            ):
+                window.append(self._step_sync)
+            steps, numels = steps + 1, self._numels
         return {
             "choice": self.choice,
-            "steps": self._steps,
+            "steps": steps,
             "plan": _plain(self._plan),
             "compute": list(self._compute),
-            "window": list(self._window),
+            "window": window,
             "corrections": {n: list(c) for n, c in self._corrections.items()},
             "strayed": self._strayed,
             "replans": self._replans,
-            "numels": dict(self._last_numels),
+            "numels": dict(numels),
             "spardl": self._sparse._own_state(),
         }
 
@@ -559,7 +582,7 @@ class Auto(Synchronizer):
         if not state:
             return
         choice = state["choice"]
-        if choice not in self._by_name:
+        if state["plan"] and choice not in self._by_name:
             raise ValueError(
                 f"the checkpoint's 'auto' choice {choice!r} is not among this run's "
                 f"candidates ({self.candidates})"
@@ -579,7 +602,11 @@ class Auto(Synchronizer):
         self._replans = int(state["replans"])
         self._sparse._load_own_state(state["spardl"])
         self._probed = None
-        self._switch(choice)
+        if self._plan:
+            self._switch(choice)
+        else:  # saved while measuring, on dense steps, which may not be among the candidates
+            self.choice = "dense"
+            self._mask_velocity(False)
         self._seen, self._step_start, self._step_sync = set(), None, 0.0
         self._numels, self._last_numels = {}, dict(state["numels"])
 

@@ -15,7 +15,10 @@ are options of this memory:
   stale momentum does not push an entry that was already updated (momentum_masking=False
   keeps the velocity: then at density 1 it is synchronous SGD with momentum exactly, where with
   masking it is SGD without momentum, and an entry sent every step moves 1 - m as far as
-  momentum would move it). The optimizer then runs
+  momentum would move it). A dense synchronisation ('auto's dense candidates) applies every
+  entry in full, with nothing delayed for masking to guard against, so there the velocity is
+  kept whatever momentum_masking says (keep_velocity): dense steps are synchronous SGD with
+  momentum, not SGD without it. The optimizer then runs
   without its own momentum: DistributedOptimizer and the DDP hook take an SGD's momentum m over
   for each step (spardl_grace.momentum). With nesterov, R + g + m*u is synchronised instead
   (DGC's Nesterov variant).
@@ -61,6 +64,7 @@ class ResidualMemory(Memory):
         #: it for an SGD with nesterov=True whose momentum it takes over)
         self.nesterov = False
         self.local_clip_norm = local_clip_norm
+        self._keep_velocity = False
         self.residuals: dict[str, torch.Tensor] = {}
         self.velocities: dict[str, torch.Tensor] = {}
         self._new_velocity: dict[str, torch.Tensor] = {}
@@ -128,12 +132,18 @@ class ResidualMemory(Memory):
     def update(self, tensor, name, compressor, tensor_compressed, ctx):
         self.residuals[name] = tensor - compressor.decompress(tensor_compressed, ctx)
 
+    def keep_velocity(self, keep: bool) -> None:
+        """Whether the results handed to store_residual from now on are dense (every entry
+        applied in full): then the velocity is kept, not masked. 'auto' sets it on each switch
+        between its dense candidates and SparDL; every rank switches at the same step."""
+        self._keep_velocity = bool(keep)
+
     def store_residual(self, name, residual, result=None):
         self.residuals[name] = residual
         velocity = self._new_velocity.pop(name, None)
         if velocity is None:
             return
-        if self.momentum_masking:
+        if self.momentum_masking and not self._keep_velocity:
             if result is None:
                 raise ValueError(
                     "momentum correction masks the velocity where the result was "
