@@ -222,14 +222,14 @@ def _compression(p: argparse.ArgumentParser) -> None:
                         "about start/--density times a steady step's bytes, so on a slow link a "
                         "lower start costs less time")
     p.add_argument("--momentum-correction", type=float, default=None,
-                   help="DGC's momentum correction m for a sparse all-reduce (SGD then runs "
-                        "without momentum)")
+                   help="DGC's momentum correction m for a sparse all-reduce or auto (SGD then "
+                        "runs without momentum)")
     p.add_argument("--no-momentum-masking", dest="momentum_masking", action="store_false",
                    help="with --momentum-correction: keep the velocity where the result was "
                         "applied (no DGC momentum factor masking)")
     p.add_argument("--local-clip-norm", type=float, default=None,
                    help="DGC's local gradient clipping: each worker's gradient to this L2 norm "
-                        "/ sqrt(P) (sparse all-reduces)")
+                        "/ sqrt(P) (sparse all-reduces, auto)")
     p.add_argument("--powersgd-rank", type=int, default=1, help="powersgd and torch_powersgd")
     p.add_argument("--powersgd-start-iter", type=int, default=10,
                    help="torch_powersgd: plain all-reduce before this step (torch's "

@@ -1,17 +1,17 @@
 """Momentum correction with the optimizer as the user built it.
 
 DGC's momentum correction (grace_from_params' 'momentum_correction': m) keeps the momentum in
-the gradient memory, before the sparse all-reduce, so the optimizer must not apply it a second
-time. The user's torch.optim.SGD(momentum=m, weight_decay=wd, nesterov=...) stays as it is:
-for the length of each step the library runs it without momentum (the memory holds it: a
-velocity per name, masked where the result was applied) and with weight decay wd / (1 - m),
-the steady-state decay that momentum gives wd (DGC's recipe), then puts the groups back. Its
-param_groups and state_dict() keep the user's values; the velocities are in the compression
-state, so checkpoints carry them. DistributedOptimizer does this in its own step(); the DDP
-hook and FSDP2, whose optimizers step on their own, through torch's global step hooks
-(spardl_grace.step_hooks). Nesterov momentum runs as DGC's Nesterov variant (the memory accumulates
-g + m * u instead of u). An SGD built without momentum (DGC's own recipe, weight decay
-scaled by hand) runs as it is.
+the gradient memory, before the sparse all-reduce (or 'auto'), so the optimizer must not apply
+it a second time. The user's torch.optim.SGD(momentum=m, weight_decay=wd, nesterov=...)
+stays as it is: for the length of each step the library runs it without momentum (the memory
+holds it: a velocity per name, masked where a sparse result was applied) and with weight decay
+wd / (1 - m), the steady-state decay that momentum gives wd (DGC's recipe), then puts the
+groups back. Its param_groups and state_dict() keep the user's values; the velocities are in
+the compression state, so checkpoints carry them. DistributedOptimizer does this in its own
+step(); the DDP hook and FSDP2, whose optimizers step on their own, through torch's global
+step hooks (spardl_grace.step_hooks). Nesterov momentum runs as DGC's Nesterov variant (the
+memory accumulates g + m * u instead of u). An SGD built without momentum (DGC's own recipe,
+weight decay scaled by hand) runs as it is.
 """
 
 from __future__ import annotations

@@ -672,6 +672,13 @@ def _check_auto(p: dict[str, Any], given: set[str], coded: bool) -> None:
         raise ValueError(
             "communicator 'auto' synchronises gradients: leave 'exchange' at 'gradient'"
         )
+    if p["momentum_correction"] and p["dense_warmup_steps"]:
+        raise ValueError(
+            f"momentum correction ({p['momentum_correction']}) keeps the momentum in the "
+            "memory, which dense_warmup_steps bypass; communicator 'auto' needs no dense "
+            "warm-up of its own: its measured steps are dense and keep the momentum, so leave "
+            "dense_warmup_steps at 0"
+        )
     if coded:
         raise ValueError(
             "communicator 'auto' sends SparDL on the compact wire: choose no payload codec "

@@ -663,6 +663,16 @@ def test_auto_takes_dgcs_techniques_and_trains_with_them(tmp_path):
     run_local(2, lambda t: main_trainer.train(args, t))
     finals = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in range(2)]
     assert torch.equal(finals[0]["params"], finals[1]["params"])
+    saved = torch.load(tmp_path / "ckpt-rank0.pt", weights_only=True)["compression"]
+
+    def velocities(state):  # the memory's, wherever the sync nests it
+        if not isinstance(state, dict):
+            return []
+        found = list(state["velocities"].values()) if "velocities" in state else []
+        return found + [v for value in state.values() for v in velocities(value)]
+
+    held = velocities(saved)
+    assert held and all(float(v.abs().sum()) > 0 for v in held)
 
 
 def test_time_budget_target_and_evaluations(tmp_path):

@@ -32,8 +32,8 @@ each member's prediction is scaled by the ratio (the probe overestimated the cos
 The candidates share one memory, so the residuals carry over a change of plan (a dense step
 sends them all), and so does DGC's momentum correction where the memory has it: the velocity
 is masked after SparDL's steps and kept whole after the dense ones (synchronous SGD with
-momentum), so the momentum survives every change of plan. Its state (plan, link,
-measurements, corrections, SparDL's counters) is checkpointed with the memory.
+momentum, weight decay aside), so the momentum survives every change of plan. Its state
+(plan, link, measurements, corrections, SparDL's counters) is checkpointed with the memory.
 
 A step is recognised without help from the caller: it begins where a tensor name comes again,
 so every integration (DistributedOptimizer, the DDP hook, GRACE's own loop) gets the same

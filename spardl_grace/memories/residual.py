@@ -18,7 +18,8 @@ are options of this memory:
   momentum would move it). A dense synchronisation ('auto's dense candidates) applies every
   entry in full, with nothing delayed for masking to guard against, so there the velocity is
   kept whatever momentum_masking says (keep_velocity): dense steps are synchronous SGD with
-  momentum, not SGD without it. The optimizer then runs
+  momentum (exactly so without weight decay, which the optimizer applies as wd / (1 - m)),
+  not SGD without it. The optimizer then runs
   without its own momentum: DistributedOptimizer and the DDP hook take an SGD's momentum m over
   for each step (spardl_grace.momentum). With nesterov, R + g + m*u is synchronised instead
   (DGC's Nesterov variant).
@@ -88,7 +89,9 @@ class ResidualMemory(Memory):
                 self._check_shape("velocity", name, velocity, tensor)
                 velocity = torch.add(tensor, velocity, alpha=self.momentum_correction)
             else:
-                velocity = tensor
+                # A copy: kept whole (no masking), it must not share the caller's gradient,
+                # which DDP's bucket buffers and in-place loops write again next step.
+                velocity = tensor.clone()
             self._new_velocity[name] = velocity
             tensor = (
                 torch.add(tensor, velocity, alpha=self.momentum_correction)
