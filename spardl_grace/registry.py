@@ -53,6 +53,7 @@ from .params import (
 )
 from .payload import ChecksummedCodec, IdentityCodec, PayloadCodec
 from .planner import CANDIDATE_RULE, DEFAULT_CANDIDATES, parse_candidates
+from .sync import check_dense_path_keeps_momentum
 from .transport import Transport, default_transport
 
 COMPRESSORS: dict[str, Callable[[dict], Compressor]] = {
@@ -672,13 +673,7 @@ def _check_auto(p: dict[str, Any], given: set[str], coded: bool) -> None:
         raise ValueError(
             "communicator 'auto' synchronises gradients: leave 'exchange' at 'gradient'"
         )
-    if p["momentum_correction"] and p["dense_warmup_steps"]:
-        raise ValueError(
-            f"momentum correction ({p['momentum_correction']}) keeps the momentum in the "
-            "memory, which dense_warmup_steps bypass; communicator 'auto' needs no dense "
-            "warm-up of its own: its measured steps are dense and keep the momentum, so leave "
-            "dense_warmup_steps at 0"
-        )
+    check_dense_path_keeps_momentum(p["momentum_correction"], p["dense_warmup_steps"], 0)
     if coded:
         raise ValueError(
             "communicator 'auto' sends SparDL on the compact wire: choose no payload codec "
@@ -709,8 +704,8 @@ def _check_combination(p: dict[str, Any], coded: bool) -> None:
             f"{', '.join(outer)} shape the exchange of the ranks' optimizer steps: set "
             "'exchange': 'update' too (with 'gradient' the ranks average every gradient)"
         )
+    sparse = comm in SPARSE_COMMUNICATORS or comm == "auto"
     for key in ("momentum_correction", "local_clip_norm"):
-        sparse = comm in SPARSE_COMMUNICATORS or comm == "auto"
         if p[key] and (not sparse or mem not in DGC_TECHNIQUE_MEMORIES):
             raise ValueError(
                 f"{key} is an option of memory {sorted(DGC_TECHNIQUE_MEMORIES)} with a "

@@ -156,9 +156,9 @@ def check_dense_path_keeps_momentum(
             f"momentum correction ({momentum_correction}) keeps the momentum in the memory, "
             f"which dense steps and dense buckets bypass: with dense_warmup_steps="
             f"{dense_warmup_steps} and min_numel={min_numel} they would train without "
-            "momentum. Warm up with the density instead (grace_from_params' "
-            "'density_warmup_steps', whose stages keep the momentum; 'auto' needs neither: "
-            "its measured dense steps keep it) and leave min_numel at 0"
+            "momentum: leave dense_warmup_steps at 0 and min_numel at 0, and warm up with the "
+            "density instead (grace_from_params' 'density_warmup_steps', whose stages keep the "
+            "momentum; 'auto' needs no warm-up: its measured dense steps keep it)"
         )
 
 

@@ -47,7 +47,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -236,13 +236,11 @@ class Auto(Synchronizer):
         self.replan_window = replan_window
         self.replan_tolerance = float(replan_tolerance)
         self.min_entries = min_entries
-        #: the candidate in use (dense while measuring); part of the ranks' fingerprint
-        self.choice = "dense"
         self._dense = Dense(memory, self.transport)
         self._dense16 = Dense16(memory, self.transport)
         self._sparse = SparDL(memory, self.transport, 0.01, codec=CompactCodec())
         self._sparse.set_min_entries(min_entries)
-        self._mask_velocity(False)  # the measured steps are dense
+        self._measure_dense()
         self._steps = 0
         self._plan: dict[str, Any] = {}
         self._compute: list[float] = []  # the latest steps' time outside synchronisation
@@ -282,6 +280,12 @@ class Auto(Synchronizer):
             self._sparse.set_density(chosen.density)
         self._mask_velocity(chosen.kind == "spardl")
 
+    def _measure_dense(self) -> None:
+        """Synchronise dense while measuring (dense need not be among the candidates)."""
+        #: the candidate in use (dense while measuring); part of the ranks' fingerprint
+        self.choice = "dense"
+        self._mask_velocity(False)
+
     def _mask_velocity(self, sparse: bool) -> None:
         """With momentum correction, the memory masks its velocity after SparDL's steps and
         keeps it whole after the dense ones (ResidualMemory.keep_velocity)."""
@@ -314,16 +318,26 @@ class Auto(Synchronizer):
         return result
 
     def _close_step(self, now: float) -> None:
-        # The first step after a start pays one-time costs (agreement, buffers): not measured.
-        if self._step_start is not None and self._steps >= 1:
-            self._compute.append(max(now - self._step_start - self._step_sync, 0.0))
+        if self._step_is_measured():
+            start = cast(float, self._step_start)  # set: _step_is_measured checked it
+            self._compute.append(max(now - start - self._step_sync, 0.0))
             del self._compute[: -max(self.measure_steps, self.replan_window)]
-            if self.replan_window or not self._plan:
+            if self._keeps_window():
                 self._window.append(self._step_sync)
         self._steps += 1
         self._step_start, self._step_sync = now, 0.0
         self._last_numels, self._numels = self._numels, {}
         self._seen = set()
+
+    def _step_is_measured(self) -> bool:
+        """Whether the open step counts in the measurements: the first step after a start pays
+        one-time costs (agreement, buffers)."""
+        return self._step_start is not None and self._steps >= 1
+
+    def _keeps_window(self) -> bool:
+        """Whether a step's synchronisation joins the window: while measuring, or to check
+        the plan (replan_window)."""
+        return bool(self.replan_window) or not self._plan
 
     def _plan_or_check(self, device: torch.device) -> None:
         if not self._plan:
@@ -558,11 +572,7 @@ class Auto(Synchronizer):
         # checks at the steps an unbroken run does.
         steps, window, numels = self._steps, list(self._window), self._last_numels
         if self._seen:
-            if (
-                self._step_start is not None
-                and steps >= 1
-                and (self.replan_window or not self._plan)
-            ):
+            if self._step_is_measured() and self._keeps_window():
                 window.append(self._step_sync)
             steps, numels = steps + 1, self._numels
         return {
@@ -604,9 +614,8 @@ class Auto(Synchronizer):
         self._probed = None
         if self._plan:
             self._switch(choice)
-        else:  # saved while measuring, on dense steps, which may not be among the candidates
-            self.choice = "dense"
-            self._mask_velocity(False)
+        else:
+            self._measure_dense()
         self._seen, self._step_start, self._step_sync = set(), None, 0.0
         self._numels, self._last_numels = {}, dict(state["numels"])
 
