@@ -807,6 +807,46 @@ def test_auto_under_torchrun_with_the_optimizer_and_the_ddp_hook(launch):
     assert math.isfinite(a["hook_stats"]["compression/auto_predicted_step_s"])
 
 
+def torchrun_auto_momentum(transport) -> dict:
+    """Entry point for tests/mp_worker.py: the DDP hook with 'auto' and momentum correction
+    0.9 under the user's SGD(momentum=0.9), real gloo processes, 8 steps each: auto with dense
+    only, plain DDP (no hook) as the reference, and auto held to SparDL after its measured
+    dense steps (its single candidate); the parameters after each, and SparDL's velocities."""
+    import torch.distributed as dist
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    out = {}
+    model = torch.nn.parallel.DistributedDataParallel(_tiny_model())
+    out["reference"] = _train_eight_steps(model, sgd(model), dist.get_rank())
+    for name, candidates in (("dense", ["dense"]), ("spardl", ["spardl@0.01"])):
+        model = torch.nn.parallel.DistributedDataParallel(_tiny_model())
+        state = CommHookState({**AUTO, "auto_candidates": candidates, "auto_replan_window": 0,
+                               "momentum_correction": 0.9}, model)
+        model.register_comm_hook(state, __import__("spardl_grace").comm_hook)
+        out[name] = _train_eight_steps(model, sgd(model), dist.get_rank())
+        out[f"{name}_choice"] = state.sync.grace.choice
+        out[f"{name}_velocities"] = torch.cat(
+            [u.reshape(-1) for u in state.sync.grace.memory.velocities.values()])
+    return out
+
+
+def test_auto_with_momentum_correction_under_torchrun_and_the_ddp_hook(launch):
+    """Through DDP's hook (whose bucket buffers DDP reuses every step) auto's dense steps with
+    momentum correction train as plain DDP with SGD momentum; held to SparDL after its
+    measured dense steps, the ranks stay bit-identical and the velocity is masked where
+    SparDL applied it and kept elsewhere."""
+    a, b = launch("gloo", 2, "test_auto.torchrun_auto_momentum")
+    assert a["dense_choice"] == "dense" and a["spardl_choice"] == "spardl@0.01"
+    for name in ("reference", "dense", "spardl"):
+        assert torch.equal(a[name], b[name]), name
+    assert torch.allclose(a["dense"], a["reference"], atol=1e-5, rtol=0)
+    zero = a["spardl_velocities"] == 0
+    assert 0 < int(zero.sum()) < zero.numel() // 5  # masked where applied, about 1% a step
+    assert bool((a["dense_velocities"] != 0).all())
+
+
 def test_the_check_of_auto_against_the_fixed_choices_names_each_verdict():
     from benchmarks.auto_check import check, table
 
