@@ -811,7 +811,8 @@ def torchrun_auto_momentum(transport) -> dict:
     """Entry point for tests/mp_worker.py: the DDP hook with 'auto' and momentum correction
     0.9 under the user's SGD(momentum=0.9), real gloo processes, 8 steps each: auto with dense
     only, plain DDP (no hook) as the reference, and auto held to SparDL after its measured
-    dense steps (its single candidate); the parameters after each, and SparDL's velocities."""
+    dense steps (its single candidate); the parameters after each, and each auto run's
+    velocities."""
     import torch.distributed as dist
 
     def sgd(model):
@@ -835,8 +836,8 @@ def torchrun_auto_momentum(transport) -> dict:
 def test_auto_with_momentum_correction_under_torchrun_and_the_ddp_hook(launch):
     """Through DDP's hook (whose bucket buffers DDP reuses every step) auto's dense steps with
     momentum correction train as plain DDP with SGD momentum; held to SparDL after its
-    measured dense steps, the ranks stay bit-identical and the velocity is masked where
-    SparDL applied it and kept elsewhere."""
+    measured dense steps, the ranks stay bit-identical and the velocity is zero at a few of
+    its entries (masked where SparDL's last step applied it), where dense's is zero at none."""
     a, b = launch("gloo", 2, "test_auto.torchrun_auto_momentum")
     assert a["dense_choice"] == "dense" and a["spardl_choice"] == "spardl@0.01"
     for name in ("reference", "dense", "spardl"):
