@@ -86,6 +86,24 @@ def horovod_channel_fallback(transport) -> dict:
             "ops": transport_ops(fallback)}
 
 
+def horovod_channels_beside_user_ops(transport) -> dict:
+    """Five more transports, as a script makes them (broadcast_parameters' shared one, two
+    optimizers, one made again after a restart...), then the user's own unnamed Horovod
+    all-reduces, 200 of them, and one all-reduce on every channel. Returns how many gloo
+    devices the channels use and every sum."""
+    import horovod.torch as hvd
+
+    from spardl_grace.transport.horovod import HorovodTransport
+    transports = [transport] + [HorovodTransport(transport.timeout) for _ in range(5)]
+    user = [float(hvd.allreduce(torch.tensor([float(i + transport.rank)]), op=hvd.Sum))
+            for i in range(200)]
+    channel_sums = [float(t.allreduce(torch.tensor([float(k + 1)]), f"channel{k}"))
+                    for k, t in enumerate(transports)]
+    return {"p2p": [t.p2p for t in transports],
+            "devices": len({id(t._channel.device) for t in transports}),
+            "user": user, "channel_sums": channel_sums}
+
+
 def known_size_sendrecv(transport) -> dict:
     """sendrecv with the size announced (one round trip), for every dtype and sizes including 0;
     then every rank sends one entry fewer than announced, which every receiver must refuse."""

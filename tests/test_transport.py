@@ -96,6 +96,23 @@ def test_a_gloo_channel_that_a_rank_cannot_join_falls_back_on_every_rank(launch)
     check_transport_results([r["ops"] for r in results])
 
 
+def test_horovod_channels_share_one_gloo_device_and_leave_horovod_s_own_ops_alone(launch):
+    """Six transports beside Horovod (a script's usual count and more) open six channels on
+    one gloo device per process, and the user's own 200 unnamed hvd.allreduce calls all
+    return the right sums. With a device per channel, Horovod's own collectives in this job ran
+    several times slower on 2 cores, some timing out (30 s), as did the user-loop job
+    (tests/test_user_loops.py, horovod); the device count is what this test pins, since a
+    time cannot be asserted."""
+    size = 3
+    results = launch("horovod-gloo", size, "horovod_channels_beside_user_ops")
+    base = size * (size - 1) / 2
+    for r in results:
+        assert r["p2p"] == ["gloo"] * 6
+        assert r["devices"] == 1
+        assert r["user"] == [size * i + base for i in range(200)]
+        assert r["channel_sums"] == [size * (k + 1.0) for k in range(6)]
+
+
 @pytest.mark.parametrize("backend,size", [("gloo", 4), ("mpi", 4), ("horovod-gloo", 4)])
 def test_real_sendrecv_posts_its_receive_before_its_send(launch, backend, size):
     """A pairwise exchange must post its receive first. gloo sends a message only once the
