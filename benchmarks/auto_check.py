@@ -14,6 +14,8 @@ Welch's 95% interval: auto against the fastest ('faster', 'slower' or 'level'), 
 auto's mean step is within `target` times the fastest's ('met' when the interval of mean(auto)
 - target * mean(fastest) lies below zero, 'missed' when above, 'undecided' otherwise). The
 other rows (PyTorch's DDP and its hooks) are compared with auto the same way, as 'baselines'.
+Where the result holds auto's plans, a second table sets what auto predicted for each
+candidate beside the candidate's measured step alone: where the model errs, and toward which.
 
 What a verdict's samples are: with train_step's --repeats R >= 2 (the arms interleaved), each
 repeat's mean step is one sample, R per arm: repeats are independent runs, and drift of the
@@ -163,6 +165,41 @@ def table(checked: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def model_error(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per network, each candidate run alone (its fixed_CANDIDATE row) against what auto
+    predicted for it: the predicted step of the plan in force at the end of each auto run
+    (its last 'plan' record; results recorded before train_step kept them have none and are
+    left out), averaged over the repeats, the candidate's measured mean step over its timed
+    steps, and their ratio (above 1: the model was optimistic about that candidate)."""
+    out = {}
+    for network, rows in result["networks"].items():
+        plans = [r["auto_plans"][-1] for r in repeats(rows.get("auto", {}))
+                 if r.get("auto_plans")]
+        if not plans:
+            continue
+        errors = {}
+        for name, row in rows.items():
+            candidate = name.removeprefix("fixed_")
+            if name == candidate or not all(candidate in p["predicted_step_s"] for p in plans):
+                continue
+            predicted = statistics.fmean(p["predicted_step_s"][candidate] for p in plans)
+            measured = statistics.fmean(row["step_times"])
+            errors[candidate] = {"predicted_s": predicted, "measured_s": measured,
+                                 "measured_over_predicted": measured / predicted}
+        out[network] = errors
+    return out
+
+
+def model_table(errors: dict[str, dict[str, dict[str, float]]]) -> str:
+    """model_error's figures as a markdown table."""
+    lines = ["| link | candidate | auto predicted s/step | measured alone s/step (mean) | "
+             "measured / predicted |", "|---|---|---|---|---|"]
+    for network, rows in errors.items():
+        lines += [f"| {network} | {name} | {e['predicted_s']:.3f} | {e['measured_s']:.3f} | "
+                  f"{e['measured_over_predicted']:.3f} |" for name, e in rows.items()]
+    return "\n".join(lines)
+
+
 def _replans(c: dict[str, Any]) -> str:
     """When auto re-planned after the link changed, in words (each repeat's, if several)."""
     if c["replanned_at"] is None:
@@ -181,8 +218,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     p.add_argument("result", type=Path, help="benchmarks.train_step's --json")
     p.add_argument("--target", type=float, default=1.05)
     args = p.parse_args(argv)
-    checked = check(json.loads(args.result.read_text()), args.target)
+    result = json.loads(args.result.read_text())
+    checked = check(result, args.target)
     print(table(checked))
+    errors = model_error(result)
+    if any(errors.values()):
+        print("\nauto's model against each candidate run alone:\n\n" + model_table(errors))
     return checked
 
 

@@ -76,10 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", type=int, default=3, help="steps left out of the median")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run every algorithm this many times, interleaved (A B C A B C ...), so "
-                        "that the machine's drift over the run falls on every arm alike; each "
-                        "row keeps its repeats' steps (benchmarks.auto_check compares their "
-                        "means)")
+                   help="run every algorithm this many times, interleaved and in reverse "
+                        "order on every other repeat (A B C C B A A B C ...), so that a drift "
+                        "of the machine over the run falls on every arm alike (exactly so for "
+                        "a steady drift over an even number of repeats); each row keeps its "
+                        "repeats' steps (benchmarks.auto_check compares their means)")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where the trainers compute and the copy is timed: cuda (the workers "
                         "share this machine's GPUs as the training CLI places them), cpu, or "
@@ -209,17 +210,18 @@ def run_algorithm(args: argparse.Namespace, name: str, rate: str | None, out: Pa
     wire_s = payload * 8 / rate_bits_per_s(rate) if rate else None
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
             "step_times": times, "bytes_per_step": payload, "wire_s_of_bytes": wire_s,
-            **({"auto_plan": plan, "auto_steps": auto_steps} if plan else {})}
+            **({"auto_plan": plan, "auto_steps": auto_steps,
+                "auto_plans": log.get("plan", [])} if plan else {})}
 
 
 def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from an algorithm's repeats: a single run as it is; several with their timed
     steps pooled (median, min, max, step_times over all of them), the last run's bytes and
-    plan, and each run kept under 'repeats' (its step_times, median and auto's steps)."""
+    plan, and each run kept under 'repeats' (its step_times, median, auto's steps and plans)."""
     if len(runs) == 1:
         return runs[0]
     pooled = [t for r in runs for t in r["step_times"]]
-    kept = ("step_s", "step_times", "auto_plan", "auto_steps")
+    kept = ("step_s", "step_times", "auto_plan", "auto_steps", "auto_plans")
     return {**runs[-1], "step_s": statistics.median(pooled), "step_s_min": min(pooled),
             "step_s_max": max(pooled), "step_times": pooled,
             "repeats": [{k: r[k] for k in kept if k in r} for r in runs]}
@@ -337,7 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.algorithms}
             for repeat in range(args.repeats):
                 which = f" (repeat {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
-                for name in args.algorithms:
+                for name in repeat_order(args.algorithms, repeat):
                     print(f"{rate or 'loopback'}: {name}{which} ...", flush=True)
                     runs[name].append(run_algorithm(args, name, rate,
                                                     Path(tmp) / f"{rate}-{name}-{repeat}"))
@@ -345,6 +347,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                       for name, r in runs.items()}
     add_bounds(result)
     return result
+
+
+def repeat_order(names: list[str], repeat: int) -> list[str]:
+    """The arms in the order repeat `repeat` runs them: as given on even repeats, reversed on
+    odd ones. With one order every time, the machine speeding up over a 50-minute run showed
+    as auto (run first) 1.16x slower than its own choice run alone (last), 1.02x where the two
+    ran next to each other (VGG-16 at 100 Mbit, 2026-11-29)."""
+    return list(names) if repeat % 2 == 0 else list(reversed(names))
 
 
 def table(result: dict[str, Any]) -> str:

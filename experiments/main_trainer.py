@@ -177,6 +177,8 @@ class Trainer:
         # Each start of the run, fresh or resumed, is on record: a launcher's restarts show.
         self.logger.log({"kind": "start", "step": self.first_step,
                          "resumed": self.resumed is not None}, self.first_step)
+        if self.rank == 0 and args.compression and args.compressor == "auto":
+            _record_plans(self.logger)
         self.progress = _progress(self.rank, args.max_epochs * self.steps_per_epoch)
         # One machine's cores: rank 0 alone starts the other work.
         self.load = LoadBurst(*args.load_burst) if args.load_burst and self.rank == 0 else None
@@ -222,8 +224,6 @@ class Trainer:
         if args.max_steps is not None:
             self.steps_per_epoch = min(self.steps_per_epoch, args.max_steps)
         self.sync, self.params = build_sync(args, self.model, self.transport, self.steps_per_epoch)
-        if self.rank == 0 and args.compression and args.compressor == "auto":
-            _print_plans()
         # GRACE's compressors warm up through set_density, on the library's schedule.
         self.warmup = (round(args.density_warmup * self.steps_per_epoch),
                        args.density_warmup_start, args.density)
@@ -449,12 +449,33 @@ def _progress(rank: int, total: int):
     return tqdm(total=total, unit="step")
 
 
-def _print_plans() -> None:
-    """Print 'communicator': 'auto''s one-line plans (its logger's INFO records) on stdout."""
+class _PlanRecords(logging.Handler):
+    """Writes each of 'communicator': 'auto''s plans (the `auto_plan` its log records carry)
+    into the run's log.jsonl as a 'plan' record: what it predicted for every candidate, which
+    the step records' auto_* figures leave out."""
+
+    def __init__(self, logger: Logger):
+        super().__init__(logging.INFO)
+        self.logger = logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        plan = getattr(record, "auto_plan", None)
+        if plan is not None:
+            self.logger.write({"kind": "plan", **plan})
+
+
+def _record_plans(logger: Logger) -> None:
+    """Print 'communicator': 'auto''s one-line plans (its logger's INFO records) on stdout and
+    keep each whole plan in `logger`'s log.jsonl (this run's: a handler of an earlier run in
+    this process is replaced)."""
     plans = logging.getLogger("spardl_grace.auto")
     plans.setLevel(logging.INFO)
+    for handler in list(plans.handlers):
+        if isinstance(handler, _PlanRecords):
+            plans.removeHandler(handler)
     if not plans.handlers:
         plans.addHandler(logging.StreamHandler(sys.stdout))
+    plans.addHandler(_PlanRecords(logger))
 
 
 def main(argv: list[str] | None = None) -> None:

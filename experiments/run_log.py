@@ -53,11 +53,16 @@ class Logger:
                                  "pip install tensorboard") from exc
             self.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
 
+    def write(self, record: dict[str, Any]) -> None:
+        """`record` into log.jsonl only (on rank 0): for records that are not a step's figures."""
+        if self.active:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+
     def log(self, record: dict[str, Any], step: int) -> None:
         if not self.active:
             return
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        self.write(record)
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
@@ -74,6 +79,7 @@ class Logger:
 
     def close(self) -> None:
         if self.active:
+            self.active = False
             self.jsonl.close()
             if self.wandb is not None:
                 self.wandb.finish()

@@ -949,6 +949,29 @@ def test_the_check_of_interleaved_repeats_takes_each_repeats_mean_as_one_sample(
         in table(check(result, 1.05))
 
 
+def test_the_check_sets_auto_s_prediction_for_each_candidate_beside_its_run_alone():
+    """model_error: the plan in force at the end of each auto repeat, averaged over the
+    repeats, against each candidate's measured mean step alone; rows without a plan of that
+    candidate and results without plans are left out."""
+    from benchmarks.auto_check import model_error, model_table
+
+    def plan(dense, sparse):
+        return {"predicted_step_s": {"dense": dense, "spardl@0.01": sparse}}
+
+    auto = {"repeats": [{"auto_plans": [plan(9.0, 9.0), plan(2.0, 1.0)]},
+                        {"auto_plans": [plan(2.2, 1.2)]}], "step_times": [1.0]}
+    rows = {"auto": auto, "fixed_dense": {"step_times": [2.1, 2.1]},
+            "fixed_spardl@0.01": {"step_times": [1.5, 1.7]},
+            "fixed_spardl@0.001": {"step_times": [1.0]}, "ddp": {"step_times": [1.0]}}
+    errors = model_error({"networks": {"1gbit": rows, "old": {"auto": {"step_times": [1.0]}}}})
+    assert set(errors) == {"1gbit"} and set(errors["1gbit"]) == {"dense", "spardl@0.01"}
+    sparse = errors["1gbit"]["spardl@0.01"]
+    assert sparse["predicted_s"] == pytest.approx(1.1) and sparse["measured_s"] == pytest.approx(1.6)
+    assert sparse["measured_over_predicted"] == pytest.approx(1.6 / 1.1)
+    assert errors["1gbit"]["dense"]["measured_over_predicted"] == pytest.approx(1.0)
+    assert "| 1gbit | spardl@0.01 | 1.100 | 1.600 | 1.455 |" in model_table(errors)
+
+
 def test_auto_between_fsdp2_replicas_keeps_them_identical(launch):
     per_rank = launch("gloo", 4, "fsdp_scenarios.auto_between_replicas")
     for shard in (0, 1):

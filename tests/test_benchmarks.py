@@ -702,8 +702,9 @@ def test_training_step_benchmark_takes_loopback_a_changing_link_and_a_language_m
 
 
 def test_training_step_benchmark_interleaves_repeats_and_pools_their_steps(monkeypatch):
-    """--repeats R runs the arms A B A B (not A A B B), so that the machine's drift falls on
-    both; each row pools its repeats' timed steps and keeps every repeat's own."""
+    """--repeats R runs the arms interleaved and reversed on every other repeat (A B B A A B,
+    not A A B B nor A B A B), so that the machine's drift falls on both alike; each row pools
+    its repeats' timed steps and keeps every repeat's own."""
     from benchmarks import train_step
     order = []
 
@@ -718,13 +719,20 @@ def test_training_step_benchmark_interleaves_repeats_and_pools_their_steps(monke
     monkeypatch.setattr(train_step, "copy_seconds", lambda *a, **k: 0.01)
     monkeypatch.setattr(train_step, "available", lambda: "no namespaces here")
     args = train_step.parse_args(["--dnn", "fashioncnn", "--algorithms", "ddp,spardl",
-                                  "--repeats", "2", "--device", "cpu"])
+                                  "--repeats", "3", "--device", "cpu"])
     rows = train_step.run(args)["networks"]["loopback"]
-    assert [name for name, _ in order] == ["ddp", "spardl", "ddp", "spardl"]
-    assert len({out for _, out in order}) == 4  # each run its own folder
-    assert rows["ddp"]["step_times"] == [1.01, 1.51, 1.03, 1.53]
-    assert [r["step_times"] for r in rows["ddp"]["repeats"]] == [[1.01, 1.51], [1.03, 1.53]]
-    assert rows["ddp"]["step_s"] == pytest.approx(1.27) and rows["ddp"]["step_s_min"] == 1.01
+    assert [name for name, _ in order] == ["ddp", "spardl", "spardl", "ddp", "ddp", "spardl"]
+    assert len({out for _, out in order}) == 6  # each run its own folder
+    assert rows["ddp"]["step_times"] == [1.01, 1.51, 1.04, 1.54, 1.05, 1.55]
+    assert [r["step_times"] for r in rows["ddp"]["repeats"]] == [[1.01, 1.51], [1.04, 1.54],
+                                                                   [1.05, 1.55]]
+    assert rows["ddp"]["step_s"] == pytest.approx(1.28) and rows["ddp"]["step_s_min"] == 1.01
+    # a steady drift over an even number of repeats: every arm's mean position the same
+    positions = {n: [] for n in "ABCD"}
+    for repeat in range(4):
+        for i, name in enumerate(train_step.repeat_order(list("ABCD"), repeat)):
+            positions[name].append(4 * repeat + i)
+    assert len({sum(p) for p in positions.values()}) == 1
     assert train_step.merge_repeats([{"step_times": [1.0]}]) == {"step_times": [1.0]}
     with pytest.raises(SystemExit):
         train_step.parse_args(["--repeats", "0"])

@@ -675,6 +675,23 @@ def test_auto_takes_dgcs_techniques_and_trains_with_them(tmp_path):
     assert held and all(float(v.abs().sum()) > 0 for v in held)
 
 
+def test_auto_s_plans_are_kept_whole_in_the_run_s_log(tmp_path):
+    """Each plan of --compressor auto goes into log.jsonl as a 'plan' record with what it
+    predicted for every candidate (the step records carry the choice only); a second run in
+    the same process writes its plans to its own log, not to the first's as well."""
+    from spardl_grace.planner import DEFAULT_CANDIDATES
+    from testbed.records import read_log
+    for run in ("first", "second"):
+        args = _args(tmp_path / run, "--compression", "--compressor", "auto", "--max-steps", "12")
+        run_local(2, lambda t: main_trainer.train(args, t))
+    for run in ("first", "second"):
+        log = read_log(tmp_path / run)
+        [plan] = log["plan"]
+        assert plan["step"] == 10 and set(plan["predicted_step_s"]) == set(DEFAULT_CANDIDATES)
+        assert plan["choice"] == DEFAULT_CANDIDATES[int(log["step"][-1]["auto_choice"])]
+        assert plan["predicted_step_s"][plan["choice"]] == log["step"][-1]["auto_predicted_step_s"]
+
+
 def test_time_budget_target_and_evaluations(tmp_path):
     """Evaluations every 2 steps; a budget of 0 s stops at the first one; a target of 0 is
     reached there; evaluation time is not training time."""

@@ -9,7 +9,8 @@ candidate's step (spardl_grace.planner), picks the least compression within `bud
 fastest, and broadcasts the plan, so every rank takes rank 0's decision (the ranks' agreement
 checks it with the rest of the settings on the next step). The plan is in last_stats on each
 step's first tensor (what the integrations sum once a step) and in one log line of the
-'spardl_grace.auto' logger on rank 0.
+'spardl_grace.auto' logger on rank 0, whose record carries the whole plan (Auto.plan) as
+its `auto_plan` attribute for handlers that keep it.
 
 Every `replan_window` steps the ranks take rank 0's median measured synchronisation of the
 window against the plan's prediction. A window strays when they differ by more than
@@ -526,7 +527,7 @@ class Auto(Synchronizer):
         }
         self._switch(chosen.name)
         if self.transport.rank == 0:
-            LOG.info("%s", self.describe())
+            LOG.info("%s", self.describe(), extra={"auto_plan": self.plan})
 
     def describe(self) -> str:
         """The plan in one line: the choice, each candidate's predicted step, the link and
