@@ -29,13 +29,11 @@ thread's on the same process group; by then backward has nothing left to overlap
 # types (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
 import functools
 import warnings
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .api import Synchronizer
 from .registry import grace_from_params, refuse_update_exchange, resolve_params
@@ -116,11 +114,10 @@ class CommHookState:
             self.adam_freeze_step = grace.adam_freeze_step
             refuse_update_exchange(grace.exchange, "the DDP hook")
             self._sync = self._build(grace)
-        #: steps of torch.optim optimizers that hold these parameters (_count_optimizer_step)
+        #: steps of torch.optim optimizers that hold these parameters (optimizer_stepped)
         self.optimizer_steps = 0
         self._at_last_sync: tuple[int, int] | None = None
         self._warned_unseen_step = False
-        _watch_optimizer_steps(self)
         watch(inner, self, "the DDP hook")
 
     def _build(self, grace: Synchronizer) -> GradientSync:
@@ -187,6 +184,11 @@ class CommHookState:
         """Whether `optimizer` updates any of the parameters this state synchronises."""
         return any(p in self.names for group in optimizer.param_groups for p in group["params"])
 
+    def optimizer_stepped(self) -> None:
+        """Called by spardl_grace.step_hooks after each step of an optimizer that holds these
+        parameters."""
+        self.optimizer_steps += 1
+
     @property
     def last_stats(self) -> dict[str, float]:
         """The last finished step's statistics, summed over its buckets."""
@@ -207,24 +209,6 @@ class CommHookState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """ValueError if written by a run with another number of workers."""
         self.sync.load_state_dict(state)
-
-
-# The live hook states, told of every optimizer step through torch's global step hook
-# (registered once, at the first state).
-_STATES: "weakref.WeakSet[CommHookState]" = weakref.WeakSet()
-_STEP_HOOK: list[Any] = []
-
-
-def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for state in list(_STATES):
-        if state.holds_parameters_of(optimizer):
-            state.optimizer_steps += 1
-
-
-def _watch_optimizer_steps(state: CommHookState) -> None:
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
-    _STATES.add(state)
 
 
 def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -182,6 +182,10 @@ class ShardSync:
         mine = {id(p) for p in model.parameters()}
         return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
+    def optimizer_stepped(self) -> None:
+        """Called by spardl_grace.step_hooks after each such step: nothing to do (only the
+        DDP hook counts steps, for its check of accumulation without no_sync())."""
+
     @property
     def bytes_sent(self) -> int:
         """Bytes this rank's communicator has sent (across the replicas for hybrid_shard),

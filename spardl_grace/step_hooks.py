@@ -3,10 +3,12 @@
 Under the DDP hook and FSDP2 the user's optimizer steps on its own, yet two options need a
 hand in that step: momentum correction takes an SGD's momentum over for the step
 (spardl_grace.momentum), and 'adam_freeze_step' runs an Adam's update with its second moment
-frozen (spardl_grace.frozen_adam). watch(model, holder, where) registers, once per process,
-torch's global optimizer step pre- and post-hooks; before a step of any optimizer that updates
-a watched holder's parameters each option does its part, and after the step (or before the
-next, if the step raised) what it changed for the step is put back.
+frozen (spardl_grace.frozen_adam); and the DDP hook counts the steps taken, to tell an
+accumulation without no_sync() from a step it did not see. watch(model, holder, where)
+registers, once per process, torch's global optimizer step pre- and post-hooks; before a step
+of any optimizer that updates a watched holder's parameters each option does its part, and
+after the step (or before the next, if the step raised) what it changed for the step is put
+back and every such holder is told that a step was taken.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from torch.optim.optimizer import (
 )
 
 #: model -> (a DDP hook state or FSDP2's ShardSync, the integration's name), for as long as the
-#: model lives; the holder has momentum_correction, adam_freeze_step, synchronized_steps and
-#: holds_parameters_of(optimizer)
+#: model lives (a second watch of the model replaces the first); the holder has
+#: momentum_correction, adam_freeze_step, synchronized_steps, holds_parameters_of(optimizer)
+#: and optimizer_stepped()
 _WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str]] = weakref.WeakKeyDictionary()
 _HOOKS: list[Any] = []
 #: optimizers in a step: what puts back what the options changed for it
@@ -46,7 +49,7 @@ def _before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     from .frozen_adam import take_over_step
     from .momentum import take_over_momentum
 
-    _after(optimizer, args, kwargs)  # a step that raised left its changes in place
+    _put_back(optimizer)  # a step that raised left its changes in place
     for holder, where in list(_WATCHED.values()):
         if not holder.holds_parameters_of(optimizer):
             continue
@@ -63,5 +66,12 @@ def _before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 
 def _after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _put_back(optimizer)
+    for holder, _ in list(_WATCHED.values()):
+        if holder.holds_parameters_of(optimizer):
+            holder.optimizer_stepped()
+
+
+def _put_back(optimizer: torch.optim.Optimizer) -> None:
     for action in reversed(_UNDO.pop(optimizer, [])):
         action()
