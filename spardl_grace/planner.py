@@ -126,11 +126,20 @@ class Link:
     """The link as the library's own channel measured it: point-to-point messages (SparDL's)
     and all-reduces of float32 (dense's) and of bfloat16 (dense16's; where not measured, as
     float32's), alpha per call and beta per byte a rank sends: a backend may sum 16-bit types
-    at another speed than float32."""
+    more slowly than float32 (see measured)."""
 
     p2p: Fit
     allreduce: Fit
     allreduce16: Fit | None = None
+
+    @classmethod
+    def measured(cls, p2p: Fit, allreduce: Fit, allreduce16: Fit) -> Link:
+        """The link from probe fits, bfloat16's time per byte no less than float32's: a byte
+        of either crosses the wire alike and a 16-bit sum costs no less per byte, so a lower
+        slope is the probe's noise (on a fast link its sizes resolve the slope poorly; on
+        such a fit a loopback plan took bfloat16 dense, which then ran twice its predicted
+        step)."""
+        return cls(p2p, allreduce, Fit(allreduce16.alpha, max(allreduce16.beta, allreduce.beta)))
 
     @property
     def gbit_per_s(self) -> float:

@@ -105,6 +105,21 @@ def test_dense16s_casts_and_a_slow_16_bit_sum_are_part_of_its_prediction():
     assert sync_seconds(dense16, numels, 4, slow_sum) > dense
 
 
+def test_a_probed_bfloat16_slope_below_float32s_is_taken_as_float32s():
+    """The probe's fits on a fast link resolve a byte's cost poorly; a bfloat16 all-reduce
+    fitted cheaper per byte than float32's (VGG-16 at loopback: 1.2e-9 against 6.5e-9 s/B)
+    made a plan take bfloat16 dense at 0.69 s a step, which ran 1.34 s."""
+    p2p, f32 = Fit(1e-3, 1e-9), Fit(3e-3, 6.5e-9)
+    noisy = Link.measured(p2p, f32, Fit(8.7e-3, 1.2e-9))
+    assert noisy.allreduce16 == Fit(8.7e-3, 6.5e-9) and (noisy.p2p, noisy.allreduce) == (p2p, f32)
+    slower = Link.measured(p2p, f32, Fit(4e-3, 9e-9))  # a 16-bit sum slower than float32's
+    assert slower.allreduce16 == Fit(4e-3, 9e-9)
+    numels, dense, dense16 = [14_700_000], parse_candidate("dense"), parse_candidate("dense16")
+    # half the bytes at no less a cost per byte: never below half of dense's per-byte time
+    assert sync_seconds(dense16, numels, 4, noisy) >= (
+        sync_seconds(dense, numels, 4, noisy) - f32.alpha) / 2
+
+
 def test_spardls_coding_per_kept_entry_is_part_of_its_prediction():
     """SparDL's work per entry it keeps (encode, take out, decode, add in) grows with the
     density: on a fast link it is what makes a denser SparDL slower (VGG-16 at loopback on 2

@@ -149,7 +149,9 @@ def probe_link(transport: Transport, device: torch.device, name: str) -> Link:
     def fit(samples: list[tuple[float, float]]) -> Fit:
         return Fit.least_squares([(2 * b * (size - 1) / size, t) for b, t in samples])
 
-    return Link(Fit.least_squares(got["p2p"]), fit(got["allreduce"]), fit(got["allreduce16"]))
+    return Link.measured(
+        Fit.least_squares(got["p2p"]), fit(got["allreduce"]), fit(got["allreduce16"])
+    )
 
 
 def local_seconds_per_entry(
