@@ -6,9 +6,9 @@ hand in that step: momentum correction takes an SGD's momentum over for the step
 frozen (spardl_grace.frozen_adam); and the DDP hook counts the steps taken, to tell an
 accumulation without no_sync() from a step it did not see. watch(model, holder, where)
 registers, once per process, torch's global optimizer step pre- and post-hooks; before a step
-of any optimizer that updates a watched holder's parameters each option does its part, and
-after the step (or before the next, if the step raised) what it changed for the step is put
-back and every such holder is told that a step was taken.
+of any optimizer that updates a watched holder's parameters each option does its part; after
+the step what it changed for the step is put back (before the next step, if the step raised)
+and every such holder is told that a step was taken (a step that raised is not counted).
 """
 
 from __future__ import annotations
