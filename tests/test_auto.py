@@ -577,18 +577,25 @@ def test_a_replan_corrects_the_family_of_the_choice(monkeypatch, times, probe):
                 assert corrections[n] == (0.0, times)
 
 
-def test_the_models_first_correction_reuses_the_plans_probe_and_a_confirmed_stray_probes(
-        monkeypatch):
-    probes = []
+def _counted_probes(monkeypatch, link: Link) -> list[int]:
+    """Every probe finds `link` and SparDL's local work free; the list gets the rank of each
+    probe taken."""
+    probes: list[int] = []
 
     def probe(transport, device, name):
         probes.append(transport.rank)
-        return _link(0.1, 1e-4)
+        return link
 
     monkeypatch.setattr(auto_module, "probe_link", probe)
     monkeypatch.setattr(auto_module, "local_seconds_per_entry",
                         lambda densities, numel, size, device, codec:
                         ([0.0] * len(densities), 0.0, 0.0))
+    return probes
+
+
+def test_the_models_first_correction_reuses_the_plans_probe_and_a_confirmed_stray_probes(
+        monkeypatch):
+    probes = _counted_probes(monkeypatch, _link(0.1, 1e-4))
 
     def work(t):
         grc = _dense_and_spardl(t)
@@ -611,6 +618,51 @@ def test_the_models_first_correction_reuses_the_plans_probe_and_a_confirmed_stra
     # awaits confirmation; the confirmed one probes again
     assert counts == [1, 1, 1, 2] and replans == 2
     assert all(r[1] == counts for r in ranks)
+
+
+@pytest.mark.parametrize("times", [3.0, 1.0], ids=["strays", "as_predicted"])
+def test_bfloat16_dense_after_float32s_measuring_steps_is_calibrated_by_its_own_first_window(
+        monkeypatch, times):
+    """The measuring steps run float32 dense, and their correction is lent to bfloat16 dense,
+    whose all-reduce has a fit of its own (VGG-16 at loopback: a noisy bfloat16 slope put it
+    at 0.69 s a step where it ran 1.34 s). Its first window calibrates it as SparDL's first
+    does: a stray re-plans at once, on the plan's probe, and leaves float32 dense to be
+    calibrated by its own first window; a window as predicted keeps the lent correction, and
+    a later stray awaits confirmation."""
+    probes = _counted_probes(monkeypatch, _link(1.0, 1e-4))
+
+    def work(t):
+        grc = Auto(GlobalResidualMemory(), t, candidates=["dense", "dense16"], measure_steps=2,
+                   replan_window=4, min_entries=0)
+        grc._last_numels = dict(zip("abc", NUMELS))
+        dense = sync_seconds(parse_candidate("dense"), NUMELS, 2, _link(1.0, 1e-4))
+        grc._steps, grc._compute, grc._window = 2, [0.01], [2 * dense] * 2
+        grc._plan_or_check(torch.device("cpu"))
+        resumed = Auto(GlobalResidualMemory(), t, candidates=["dense", "dense16"],
+                       measure_steps=2, replan_window=4, min_entries=0)
+        resumed._load_own_state(torch.load(_saved(grc._own_state()), weights_only=True))
+        first = (grc.choice, dict(grc._corrections), set(resumed._unmeasured))
+        predicted = grc.plan["predicted_sync_s"]["dense16"]
+        grc._window = [predicted * times] * 4
+        grc._plan_or_check(torch.device("cpu"))
+        after = (grc._replans, grc._strayed, probes.count(t.rank), set(grc._unmeasured),
+                 dict(grc._corrections))
+        grc._window = [grc.plan["predicted_sync_s"][grc.choice] * 3] * 4
+        grc._plan_or_check(torch.device("cpu"))
+        return first, after, (grc._replans, grc._strayed)
+
+    for first, after, later in run_local(2, work, timeout=60):
+        choice, lent, unmeasured = first
+        assert choice == "dense16" and unmeasured == {"dense16"}
+        assert lent["dense"] == lent["dense16"] and lent["dense"][0] > 0
+        replans, strayed, probed, unmeasured, corrections = after
+        assert probed == 1  # the first plan's probe; a calibrating re-plan takes none
+        if times > 1:
+            assert (replans, strayed, unmeasured) == (1, 0, {"dense"})
+            assert corrections["dense16"] != lent["dense16"]
+        else:
+            assert (replans, strayed, unmeasured, corrections) == (0, 0, set(), lent)
+            assert later == (0, 1)  # calibrated now: a stray awaits confirmation
 
 
 def test_the_correction_keeps_the_measured_prediction_within_its_range_of_the_model():
@@ -644,7 +696,7 @@ def test_a_resumed_run_continues_bit_for_bit(split, momentum):
     planned = split > AUTO["auto_measure_steps"]
     assert state["choice"] == ("spardl@0.01" if planned else "dense")
     assert bool(state["plan"]) == planned
-    assert {"corrections", "strayed"} <= set(state)
+    assert {"corrections", "strayed", "unmeasured"} <= set(state)
     # the last step counts as closed: an unbroken run holds these when its next step begins
     # (the steps measured since the plan, or since step 1 while measuring)
     assert state["steps"] == split

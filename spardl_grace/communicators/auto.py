@@ -16,10 +16,12 @@ Every `replan_window` steps the ranks take rank 0's median measured synchronisat
 window against the plan's prediction. A window strays when they differ by more than
 `replan_tolerance` of the prediction and by more than `budget` of the predicted step (an error
 the budget already tolerates cannot pay for a re-plan). The first window that measures a family
-(SparDL's, after a plan made on dense steps) calibrates it: if it strays, it re-plans at once
-(the model was wrong for this machine); if not, the model stands as it is. Any later stray is
-confirmed by a second window of half the length straying the same way before it re-plans (the
-link changed), so the noise of one window on a steady link does not cost a probe. A window also
+(SparDL's, after a plan made on dense steps), or a kind whose correction was lent by the other
+kind of its family (bfloat16 dense after float32's measuring steps: its all-reduce has a fit of
+its own), calibrates it: if it strays, it re-plans at once (the model was wrong for this
+machine); if not, the model stands as it is. Any later stray is confirmed by a second window
+of half the length straying the same way before it re-plans (the link changed), so the noise
+of one window on a steady link does not cost a probe. A window also
 strays, awaiting confirmation the same way, when its median compute (the step's time outside
 synchronisation) differs from the plan's by as much: other work on the machine came or went, so
 a plan made under a passing load is made again once it has gone, although the choice's own
@@ -250,6 +252,9 @@ class Auto(Synchronizer):
         self._window: list[float] = []  # synchronisation seconds per step since the plan
         #: per candidate name, (seconds added, factor) correcting the model (see _correction)
         self._corrections: dict[str, tuple[float, float]] = {}
+        #: kinds whose correction was inferred from another kind of their family, not measured
+        #: on their own steps: their first window calibrates them (see _inferred_from)
+        self._unmeasured: set[str] = set()
         #: which way the last window strayed since the plan (+1 slower, -1 faster, 0 not)
         self._strayed = 0
         #: the last probe: the link and the local seconds (local_seconds_per_entry's)
@@ -354,7 +359,10 @@ class Auto(Synchronizer):
             self._window = []
             direction = self._stray(ratio, measured)
             family = self._family(self.choice)
-            calibrated = any(self._family(n) == family for n in self._corrections)
+            kind = self._by_name[self.choice].kind
+            calibrated = kind not in self._unmeasured and any(
+                self._family(n) == family for n in self._corrections
+            )
             if direction and not calibrated:
                 self._replan(
                     device, measured_dense=False, ratio=ratio, measured=measured, probe=False
@@ -369,10 +377,12 @@ class Auto(Synchronizer):
                 self._strayed = direction
                 if not calibrated:
                     # A window that measured the family as the model predicts calibrates it
-                    # unchanged: a later stray is the link changing, and must be confirmed
+                    # as it stands: a later stray is the link changing, and must be confirmed
                     # and probed afresh, not blamed on the model (with the old probe).
-                    members = [c.name for c in self._candidates if self._family(c.name) == family]
-                    self._corrections.update(dict.fromkeys(members, (0.0, 1.0)))
+                    for member in self._candidates:
+                        if self._family(member.name) == family:
+                            self._corrections.setdefault(member.name, (0.0, 1.0))
+                    self._unmeasured.discard(kind)
 
     def _stray(self, ratio: float, measured: float) -> int:
         """+1 (slower) or -1 (faster) when the window's measured synchronisation strays from
@@ -450,10 +460,12 @@ class Auto(Synchronizer):
             for c in self._candidates
         }
         dense = sync_seconds(Candidate("dense", "dense"), numels, size, link)
+        unmeasured = set(self._unmeasured)
         if measured_dense and self._window and dense > 0:
             # The measured steps ran dense: their all-reduces calibrate the dense candidates.
             fix = _correction(statistics.median(self._window), dense)
             corrections.update({n: fix for n in model if self._family(n) == "dense"})
+            unmeasured = self._inferred_from("dense")
         elif not measured_dense:
             # What the model misses for the choice (waiting for the slowest rank, the
             # framework's overhead) is time a step, not per byte: the main job's SparDL
@@ -470,6 +482,7 @@ class Auto(Synchronizer):
                 # plan is calibrated afresh by its first window.
                 corrections = {n: c for n, c in corrections.items() if self._family(n) == family}
             corrections.update({n: fix for n in model if self._family(n) == family})
+            unmeasured = self._inferred_from(self._by_name[self.choice].kind)
         sync = {n: _corrected(model[n], corrections.get(n, (0.0, 1.0))) for n in model}
         sent = {c.name: sync_bytes(c, numels, size, self.min_entries) for c in self._candidates}
         steps = [compute + sync[c.name] for c in self._candidates]
@@ -494,7 +507,18 @@ class Auto(Synchronizer):
         )
         plan = self.transport.broadcast(mine.to(device), 0, "auto.plan").cpu().tolist()
         self._adopt(plan, sent, ratio)
-        self._window, self._strayed = [], 0
+        self._window, self._strayed, self._unmeasured = [], 0, unmeasured
+
+    def _inferred_from(self, kind: str) -> set[str]:
+        """The kinds whose correction a measurement of `kind` sets without measuring them: the
+        other kinds of its family among the candidates. The dense family's correction is taken
+        from float32's steps or bfloat16's, and the two fit the link apart (bfloat16's
+        all-reduce has its own fit, whose slope a fast link leaves noisy), so the one not
+        measured is calibrated by its own first window; SparDL's densities are one kind."""
+        sparse = kind == "spardl"
+        return {
+            c.kind for c in self._candidates if c.kind != kind and (c.kind == "spardl") == sparse
+        }
 
     def _adopt(self, vector: list[float], sent: dict[str, float], ratio: float) -> None:
         """Take rank 0's plan `vector` (see _replan) as this rank's plan and switch to it."""
@@ -585,6 +609,7 @@ class Auto(Synchronizer):
             "compute": list(self._compute),
             "window": window,
             "corrections": {n: list(c) for n, c in self._corrections.items()},
+            "unmeasured": sorted(self._unmeasured),
             "strayed": self._strayed,
             "replans": self._replans,
             "numels": dict(numels),
@@ -612,6 +637,7 @@ class Auto(Synchronizer):
             for n, c in state["corrections"].items()
         }
         self._strayed = int(state.get("strayed", 0))
+        self._unmeasured = set(state.get("unmeasured", ()))
         self._replans = int(state["replans"])
         self._sparse._load_own_state(state["spardl"])
         self._probed = None
