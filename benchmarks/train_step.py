@@ -21,6 +21,7 @@ GPU r mod the GPUs here, and the copy is timed there.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import signal
@@ -93,7 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "configs (its frozen-variance ones refuse sgd)")
     p.add_argument("--clip-norm", type=float, default=None,
                    help="the training CLI's --clip-norm (the transformer front clips at 1)")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json", default=None,
+                   help="write the results here; while running, each finished run is kept in "
+                        "JSON + '.partial', and the same command run again (after a stop or a "
+                        "session's end) continues from it, skipping the finished runs")
     args = p.parse_args(argv)
     if args.dataset is None:
         args.dataset = LM_DATASET if MODEL_TASKS.get(args.dnn) == "lm" else "fashion-mnist"
@@ -328,25 +332,51 @@ def add_bounds(result: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     why = available()
     networks = args.bandwidths if why is None else [None]
-    result: dict[str, Any] = {"machine": machine(), "config": {k: v for k, v in vars(args).items()
-                                                               if k != "json"},
+    config = {k: v for k, v in vars(args).items() if k != "json"}
+    partial = Path(f"{args.json}.partial") if args.json else None
+    done = _finished_runs(partial, config)
+    result: dict[str, Any] = {"machine": machine(), "config": config,
                               "emulated": why is None, "why_not_emulated": why, "networks": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        result["compute_only"] = compute_only(args, Path(tmp))
-        result["copy_s"] = copy_seconds(gradient_numel(args.dnn, args.dataset), args.workers,
-                                        device=args.device)
+        if "compute_only" in done:
+            result["compute_only"], result["copy_s"] = done["compute_only"], done["copy_s"]
+        else:
+            result["compute_only"] = compute_only(args, Path(tmp))
+            result["copy_s"] = copy_seconds(gradient_numel(args.dnn, args.dataset),
+                                            args.workers, device=args.device)
+            done.update(config=config, compute_only=result["compute_only"],
+                        copy_s=result["copy_s"], runs={})
+            write_json(partial, done)
         for rate in networks:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.algorithms}
             for repeat in range(args.repeats):
                 which = f" (repeat {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
                 for name in repeat_order(args.algorithms, repeat):
-                    print(f"{rate or 'loopback'}: {name}{which} ...", flush=True)
-                    runs[name].append(run_algorithm(args, name, rate,
-                                                    Path(tmp) / f"{rate}-{name}-{repeat}"))
+                    key = f"{rate or 'loopback'}|{name}|{repeat}"
+                    if key not in done["runs"]:
+                        print(f"{rate or 'loopback'}: {name}{which} ...", flush=True)
+                        done["runs"][key] = run_algorithm(args, name, rate,
+                                                          Path(tmp) / f"{rate}-{name}-{repeat}")
+                        write_json(partial, done)
+                    runs[name].append(done["runs"][key])
             result["networks"][rate or "loopback"] = {name: merge_repeats(r)
                                                       for name, r in runs.items()}
     add_bounds(result)
     return result
+
+
+def _finished_runs(partial: Path | None, config: dict[str, Any]) -> dict[str, Any]:
+    """What an earlier run of the same command finished ('config', 'compute_only', 'copy_s'
+    and 'runs' by 'RATE|ALGORITHM|REPEAT'), from its partial file; empty when there is none.
+    A partial file of another command is refused rather than mixed in."""
+    if partial is None or not partial.exists():
+        return {"runs": {}}
+    done = json.loads(partial.read_text())
+    if done.get("config") != json.loads(json.dumps(config)):
+        raise SystemExit(f"{partial} holds the runs of another command ({done.get('config')}); "
+                         "remove it, or give the command it was made by")
+    print(f"continuing from {partial}: {len(done['runs'])} runs finished", flush=True)
+    return dict(done)
 
 
 def repeat_order(names: list[str], repeat: int) -> list[str]:
@@ -389,6 +419,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = run(args)
     print(table(result))
     write_json(args.json, result)
+    if args.json:
+        Path(f"{args.json}.partial").unlink(missing_ok=True)
     return result
 
 

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -736,6 +737,48 @@ def test_training_step_benchmark_interleaves_repeats_and_pools_their_steps(monke
     assert train_step.merge_repeats([{"step_times": [1.0]}]) == {"step_times": [1.0]}
     with pytest.raises(SystemExit):
         train_step.parse_args(["--repeats", "0"])
+
+
+def test_training_step_benchmark_continues_a_stopped_run_from_its_partial_file(
+        monkeypatch, tmp_path):
+    """A run stopped after some arms (a session's end) keeps them in JSON.partial; the same
+    command again runs only the rest, in the same interleaved order, and ends with the result
+    an unbroken run gives; the partial file of another command is refused, not mixed in."""
+    from benchmarks import train_step
+    calls = []
+
+    def fake(args, name, rate, out):
+        calls.append(out.name)
+        if len(calls) == 4 and stop["now"]:
+            raise KeyboardInterrupt
+        step = {"ddp": 1.0, "spardl": 2.0}[name] + int(out.name[-1]) / 10
+        return {"step_s": step, "step_times": [step], "bytes_per_step": 10.0,
+                "wire_s_of_bytes": None}
+
+    stop = {"now": True}
+    computed = []
+    monkeypatch.setattr(train_step, "run_algorithm", fake)
+    monkeypatch.setattr(train_step, "compute_only",
+                        lambda args, tmp: computed.append(1) or {"step_s": 0.5})
+    monkeypatch.setattr(train_step, "copy_seconds", lambda *a, **k: 0.01)
+    monkeypatch.setattr(train_step, "available", lambda: "no namespaces here")
+    out = tmp_path / "r.json"
+    argv = ["--dnn", "fashioncnn", "--algorithms", "ddp,spardl", "--repeats", "3",
+            "--device", "cpu", "--json", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        train_step.main(argv)
+    assert not out.exists() and len(json.loads(Path(f"{out}.partial").read_text())["runs"]) == 3
+    resumed = train_step.main(argv)
+    assert calls == ["None-ddp-0", "None-spardl-0", "None-spardl-1", "None-ddp-1",
+                     "None-ddp-1", "None-ddp-2", "None-spardl-2"]
+    assert computed == [1] and not Path(f"{out}.partial").exists()
+    stop["now"], calls[:] = False, []
+    whole = train_step.main([*argv[:-1], str(tmp_path / "whole.json")])
+    assert resumed["networks"] == whole["networks"]
+    assert json.loads(out.read_text())["networks"] == whole["networks"]
+    Path(f"{out}.partial").write_text(json.dumps({"config": {"dnn": "vgg16"}, "runs": {}}))
+    with pytest.raises(SystemExit, match="another command"):
+        train_step.main(argv)
 
 
 def test_training_step_benchmark_takes_the_fronts_configs(tmp_path):
