@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -334,9 +335,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     networks = args.bandwidths if why is None else [None]
     config = {k: v for k, v in vars(args).items() if k != "json"}
     partial = Path(f"{args.json}.partial") if args.json else None
-    done = _finished_runs(partial, config)
-    result: dict[str, Any] = {"machine": machine(), "config": config,
-                              "emulated": why is None, "why_not_emulated": why, "networks": {}}
+    # What a continued run must share with the runs it continues: the command, the machine,
+    # whether links are emulated, and the code (compared arms run on one commit).
+    identity = {"config": config, "machine": machine(), "emulated": why is None,
+                "commit": _commit()}
+    done = _finished_runs(partial, identity)
+    result: dict[str, Any] = {"machine": identity["machine"], "config": config,
+                              "emulated": why is None, "why_not_emulated": why, "networks": {},
+                              "continued_runs": len(done["runs"])}
     with tempfile.TemporaryDirectory() as tmp:
         if "compute_only" in done:
             result["compute_only"], result["copy_s"] = done["compute_only"], done["copy_s"]
@@ -344,9 +350,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["compute_only"] = compute_only(args, Path(tmp))
             result["copy_s"] = copy_seconds(gradient_numel(args.dnn, args.dataset),
                                             args.workers, device=args.device)
-            done.update(config=config, compute_only=result["compute_only"],
+            done.update(identity, compute_only=result["compute_only"],
                         copy_s=result["copy_s"], runs={})
-            write_json(partial, done)
+            _write_partial(partial, done)
         for rate in networks:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.algorithms}
             for repeat in range(args.repeats):
@@ -357,7 +363,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"{rate or 'loopback'}: {name}{which} ...", flush=True)
                         done["runs"][key] = run_algorithm(args, name, rate,
                                                           Path(tmp) / f"{rate}-{name}-{repeat}")
-                        write_json(partial, done)
+                        _write_partial(partial, done)
                     runs[name].append(done["runs"][key])
             result["networks"][rate or "loopback"] = {name: merge_repeats(r)
                                                       for name, r in runs.items()}
@@ -365,18 +371,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _finished_runs(partial: Path | None, config: dict[str, Any]) -> dict[str, Any]:
-    """What an earlier run of the same command finished ('config', 'compute_only', 'copy_s'
-    and 'runs' by 'RATE|ALGORITHM|REPEAT'), from its partial file; empty when there is none.
-    A partial file of another command is refused rather than mixed in."""
+def _finished_runs(partial: Path | None, identity: dict[str, Any]) -> dict[str, Any]:
+    """What an earlier run of the same command finished ('compute_only', 'copy_s' and 'runs'
+    by 'RATE|ALGORITHM|REPEAT', beside `identity`'s keys), from its partial file; no runs when
+    there is none. A partial file of another command, machine, emulation or commit is refused
+    rather than mixed in."""
     if partial is None or not partial.exists():
         return {"runs": {}}
-    done = json.loads(partial.read_text())
-    if done.get("config") != json.loads(json.dumps(config)):
-        raise SystemExit(f"{partial} holds the runs of another command ({done.get('config')}); "
-                         "remove it, or give the command it was made by")
+    try:
+        done = json.loads(partial.read_text())
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{partial} is not a partial result ({exc}); remove it") from exc
+    differ = [k for k, v in json.loads(json.dumps(identity)).items() if done.get(k) != v]
+    if differ:
+        raise SystemExit(f"{partial} holds the runs of another {', '.join(differ)} "
+                         f"({', '.join(f'{k}: {done.get(k)}' for k in differ)}); remove it, or "
+                         "run the command it was made by on that machine and commit")
     print(f"continuing from {partial}: {len(done['runs'])} runs finished", flush=True)
     return dict(done)
+
+
+def _write_partial(partial: Path | None, done: dict[str, Any]) -> None:
+    """Write the partial file whole or not at all (a stop mid-write keeps the last one)."""
+    if partial is not None:
+        staged = partial.with_name(partial.name + ".tmp")
+        write_json(staged, done)
+        os.replace(staged, partial)
+
+
+def _commit() -> str | None:
+    """The checkout's commit, and '+changes' when its tracked files differ from it; None
+    outside git."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        return git("rev-parse", "HEAD") + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def repeat_order(names: list[str], repeat: int) -> list[str]:

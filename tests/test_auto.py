@@ -626,9 +626,9 @@ def test_bfloat16_dense_after_float32s_measuring_steps_is_calibrated_by_its_own_
     """The measuring steps run float32 dense, and their correction is lent to bfloat16 dense,
     whose all-reduce has a fit of its own (VGG-16 at loopback: a noisy bfloat16 slope put it
     at 0.69 s a step where it ran 1.34 s). Its first window calibrates it as SparDL's first
-    does: a stray re-plans at once, on the plan's probe, and leaves float32 dense to be
-    calibrated by its own first window; a window as predicted keeps the lent correction, and
-    a later stray awaits confirmation."""
+    does: a stray re-plans at once, on the plan's probe, correcting bfloat16 dense alone
+    (float32's correction was measured on its own steps); a window as predicted keeps the
+    lent correction, and a later stray awaits confirmation."""
     probes = _counted_probes(monkeypatch, _link(1.0, 1e-4))
 
     def work(t):
@@ -657,12 +657,60 @@ def test_bfloat16_dense_after_float32s_measuring_steps_is_calibrated_by_its_own_
         assert lent["dense"] == lent["dense16"] and lent["dense"][0] > 0
         replans, strayed, probed, unmeasured, corrections = after
         assert probed == 1  # the first plan's probe; a calibrating re-plan takes none
-        if times > 1:
-            assert (replans, strayed, unmeasured) == (1, 0, {"dense"})
+        if times > 1:  # float32's own correction stays: no turns taken between the two
+            assert (replans, strayed, unmeasured) == (1, 0, set())
             assert corrections["dense16"] != lent["dense16"]
+            assert corrections["dense"] == lent["dense"]
         else:
             assert (replans, strayed, unmeasured, corrections) == (0, 0, set(), lent)
             assert later == (0, 1)  # calibrated now: a stray awaits confirmation
+
+
+@pytest.mark.parametrize("probe", [False, True], ids=["calibrating", "confirmed_stray"])
+def test_a_sparse_replan_leaves_the_dense_kinds_marks_as_they_are_or_drops_them_with_them(
+        monkeypatch, probe):
+    """bfloat16 dense's correction lent by float32's measuring steps stays lent through a
+    calibrating re-plan of SparDL's family (its first window is still due); a confirmed stray
+    drops the dense family's corrections, and with them the mark."""
+    _counted_probes(monkeypatch, _link(0.1, 1e-4))
+
+    def work(t):
+        grc = Auto(GlobalResidualMemory(), t, candidates=["dense", "dense16", "spardl@0.01"],
+                   measure_steps=2, replan_window=4, min_entries=0)
+        grc._plan = {"choice": "spardl@0.01"}
+        grc._switch("spardl@0.01")
+        grc._corrections = {"dense": (0.5, 1.0), "dense16": (0.5, 1.0)}
+        grc._unmeasured = {"dense16"}
+        grc._last_numels, grc._compute = dict(zip("abc", NUMELS)), [0.05]
+        grc._replan(torch.device("cpu"), measured_dense=False, ratio=3.0, measured=1.0,
+                    probe=probe)
+        return grc._unmeasured, set(grc._corrections)
+
+    for unmeasured, corrected in run_local(2, work):
+        if probe:
+            assert (unmeasured, corrected) == (set(), {"spardl@0.01"})
+        else:
+            assert (unmeasured, corrected) == ({"dense16"}, {"dense", "dense16", "spardl@0.01"})
+
+
+def test_a_dense_window_that_calibrates_the_family_as_predicted_lends_to_the_other_kind():
+    """With no correction in the dense family (dropped by a confirmed stray, say), a float32
+    window as predicted calibrates the family as it stands, and bfloat16 dense, not measured,
+    is left to its own first window."""
+    def work(t):
+        grc = Auto(GlobalResidualMemory(), t, candidates=["dense", "dense16"], measure_steps=2,
+                   replan_window=4, min_entries=0)
+        grc._plan = {"choice": "dense", "compute_s": 1.0,
+                     "predicted_sync_s": {"dense": 0.1, "dense16": 0.1},
+                     "predicted_step_s": {"dense": 1.1, "dense16": 1.1}}
+        grc._switch("dense")
+        grc._window, grc._compute = [0.1] * 4, [1.0] * 4
+        grc._plan_or_check(torch.device("cpu"))
+        return grc._unmeasured, grc._corrections, grc._replans
+
+    for unmeasured, corrections, replans in run_local(2, work):
+        assert replans == 0 and unmeasured == {"dense16"}
+        assert corrections == {"dense": (0.0, 1.0), "dense16": (0.0, 1.0)}
 
 
 def test_the_correction_keeps_the_measured_prediction_within_its_range_of_the_model():

@@ -743,7 +743,8 @@ def test_training_step_benchmark_continues_a_stopped_run_from_its_partial_file(
         monkeypatch, tmp_path):
     """A run stopped after some arms (a session's end) keeps them in JSON.partial; the same
     command again runs only the rest, in the same interleaved order, and ends with the result
-    an unbroken run gives; the partial file of another command is refused, not mixed in."""
+    an unbroken run gives; the partial file of another command, machine, emulation or commit
+    is refused, not mixed in, and so is a broken one."""
     from benchmarks import train_step
     calls = []
 
@@ -776,8 +777,18 @@ def test_training_step_benchmark_continues_a_stopped_run_from_its_partial_file(
     whole = train_step.main([*argv[:-1], str(tmp_path / "whole.json")])
     assert resumed["networks"] == whole["networks"]
     assert json.loads(out.read_text())["networks"] == whole["networks"]
-    Path(f"{out}.partial").write_text(json.dumps({"config": {"dnn": "vgg16"}, "runs": {}}))
-    with pytest.raises(SystemExit, match="another command"):
+    assert resumed["continued_runs"] == 3 and whole["continued_runs"] == 0
+    with pytest.raises(KeyboardInterrupt):
+        stop["now"], calls[:] = True, []
+        train_step.main(argv)
+    kept = json.loads(Path(f"{out}.partial").read_text())
+    for key, other in (("config", {"dnn": "vgg16"}), ("commit", "0" * 40),
+                       ("machine", {"cpus": 64}), ("emulated", True)):
+        Path(f"{out}.partial").write_text(json.dumps({**kept, key: other}))
+        with pytest.raises(SystemExit, match=f"another {key}"):
+            train_step.main(argv)
+    Path(f"{out}.partial").write_text(json.dumps(kept)[:-9])  # a stop mid-write, by hand
+    with pytest.raises(SystemExit, match="not a partial result"):
         train_step.main(argv)
 
 

@@ -17,11 +17,12 @@ window against the plan's prediction. A window strays when they differ by more t
 `replan_tolerance` of the prediction and by more than `budget` of the predicted step (an error
 the budget already tolerates cannot pay for a re-plan). The first window that measures a family
 (SparDL's, after a plan made on dense steps), or a kind whose correction was lent by the other
-kind of its family (bfloat16 dense after float32's measuring steps: its all-reduce has a fit of
-its own), calibrates it: if it strays, it re-plans at once (the model was wrong for this
-machine); if not, the model stands as it is. Any later stray is confirmed by a second window
-of half the length straying the same way before it re-plans (the link changed), so the noise
-of one window on a steady link does not cost a probe. A window also
+kind of its family (bfloat16 dense after float32's measuring steps, or float32 dense after
+bfloat16's window corrected the family: each all-reduce has a fit of its own; a kind measured
+on its own steps keeps its correction), calibrates it: if it strays, it re-plans at once (the
+model was wrong for this machine); if not, the model stands as it is. Any later stray is
+confirmed by a second window of half the length straying the same way before it re-plans (the
+link changed), so the noise of one window on a steady link does not cost a probe. A window also
 strays, awaiting confirmation the same way, when its median compute (the step's time outside
 synchronisation) differs from the plan's by as much: other work on the machine came or went, so
 a plan made under a passing load is made again once it has gone, although the choice's own
@@ -379,6 +380,8 @@ class Auto(Synchronizer):
                     # A window that measured the family as the model predicts calibrates it
                     # as it stands: a later stray is the link changing, and must be confirmed
                     # and probed afresh, not blamed on the model (with the old probe).
+                    if not any(self._family(n) == family for n in self._corrections):
+                        self._unmeasured |= self._inferred_from(kind)
                     for member in self._candidates:
                         if self._family(member.name) == family:
                             self._corrections.setdefault(member.name, (0.0, 1.0))
@@ -474,6 +477,7 @@ class Auto(Synchronizer):
             # choice's family: the dense ones, or SparDL's densities.
             fix = _correction(measured, model[self.choice])
             family = self._family(self.choice)
+            kind = self._by_name[self.choice].kind
             if probe:
                 # A confirmed stray: the conditions changed, and the other family's correction
                 # was measured under the old ones. Kept, a correction taken during a passing
@@ -481,8 +485,16 @@ class Auto(Synchronizer):
                 # slower, with SparDL's excess of that minute); dropped, the family's next
                 # plan is calibrated afresh by its first window.
                 corrections = {n: c for n, c in corrections.items() if self._family(n) == family}
-            corrections.update({n: fix for n in model if self._family(n) == family})
-            unmeasured = self._inferred_from(self._by_name[self.choice].kind)
+                lent = self._inferred_from(kind)
+                unmeasured = set(lent)
+            else:
+                # The model was wrong for the choice's kind alone: a kind of its family with a
+                # correction measured on its own steps keeps it (lent back and forth, the two
+                # dense kinds could take turns re-planning at every window); the rest borrow.
+                own = {self._by_name[n].kind for n in corrections} - self._unmeasured
+                lent = self._inferred_from(kind) - own
+                unmeasured = (self._unmeasured - {kind}) | lent
+            corrections.update({n: fix for n in model if self._by_name[n].kind in lent | {kind}})
         sync = {n: _corrected(model[n], corrections.get(n, (0.0, 1.0))) for n in model}
         sent = {c.name: sync_bytes(c, numels, size, self.min_entries) for c in self._candidates}
         steps = [compute + sync[c.name] for c in self._candidates]
@@ -510,11 +522,11 @@ class Auto(Synchronizer):
         self._window, self._strayed, self._unmeasured = [], 0, unmeasured
 
     def _inferred_from(self, kind: str) -> set[str]:
-        """The kinds whose correction a measurement of `kind` sets without measuring them: the
-        other kinds of its family among the candidates. The dense family's correction is taken
-        from float32's steps or bfloat16's, and the two fit the link apart (bfloat16's
-        all-reduce has its own fit, whose slope a fast link leaves noisy), so the one not
-        measured is calibrated by its own first window; SparDL's densities are one kind."""
+        """The kinds to which a measurement of `kind` may lend its correction: the other kinds
+        of its family among the candidates. The dense family's correction is taken from
+        float32's steps or bfloat16's, and the two fit the link apart (bfloat16's all-reduce
+        has its own fit, whose slope a fast link leaves noisy), so the one not measured is
+        calibrated by its own first window; SparDL's densities are one kind."""
         sparse = kind == "spardl"
         return {
             c.kind for c in self._candidates if c.kind != kind and (c.kind == "spardl") == sparse
