@@ -253,7 +253,7 @@ class Auto(Synchronizer):
         self._window: list[float] = []  # synchronisation seconds per step since the plan
         #: per candidate name, (seconds added, factor) correcting the model (see _correction)
         self._corrections: dict[str, tuple[float, float]] = {}
-        #: kinds whose correction was inferred from another kind of their family, not measured
+        #: kinds whose correction was lent by another kind of their family, not measured
         #: on their own steps: their first window calibrates them (see _inferred_from)
         self._unmeasured: set[str] = set()
         #: which way the last window strayed since the plan (+1 slower, -1 faster, 0 not)
@@ -361,9 +361,8 @@ class Auto(Synchronizer):
             direction = self._stray(ratio, measured)
             family = self._family(self.choice)
             kind = self._by_name[self.choice].kind
-            calibrated = kind not in self._unmeasured and any(
-                self._family(n) == family for n in self._corrections
-            )
+            corrected = any(self._family(n) == family for n in self._corrections)
+            calibrated = corrected and kind not in self._unmeasured
             if direction and not calibrated:
                 self._replan(
                     device, measured_dense=False, ratio=ratio, measured=measured, probe=False
@@ -380,7 +379,7 @@ class Auto(Synchronizer):
                     # A window that measured the family as the model predicts calibrates it
                     # as it stands: a later stray is the link changing, and must be confirmed
                     # and probed afresh, not blamed on the model (with the old probe).
-                    if not any(self._family(n) == family for n in self._corrections):
+                    if not corrected:
                         self._unmeasured |= self._inferred_from(kind)
                     for member in self._candidates:
                         if self._family(member.name) == family:
@@ -527,9 +526,9 @@ class Auto(Synchronizer):
         float32's steps or bfloat16's, and the two fit the link apart (bfloat16's all-reduce
         has its own fit, whose slope a fast link leaves noisy), so the one not measured is
         calibrated by its own first window; SparDL's densities are one kind."""
-        sparse = kind == "spardl"
+        family = "spardl" if kind == "spardl" else "dense"
         return {
-            c.kind for c in self._candidates if c.kind != kind and (c.kind == "spardl") == sparse
+            c.kind for c in self._candidates if c.kind != kind and self._family(c.name) == family
         }
 
     def _adopt(self, vector: list[float], sent: dict[str, float], ratio: float) -> None:
