@@ -86,11 +86,44 @@ def agree(transport: Transport, what: str, fields: dict[str, Any]) -> None:
     ]
     keys = list(dict.fromkeys(k for e in every for k in e))
     differ = [k for k in keys if len({json.dumps(e.get(k)) for e in every}) > 1]
+    ranks = [transport.global_rank(r) for r in range(len(every))]
     detail = "; ".join(
-        f"{k}: " + ", ".join(f"rank {r} {json.dumps(e.get(k))}" for r, e in enumerate(every))
+        f"{k}: " + ", ".join(f"rank {g} {json.dumps(e.get(k))}" for g, e in zip(ranks, every))
         for k in differ
     )
     raise ValueError(
         f"the ranks disagree on {what}, so they cannot synchronise it "
         f"(every rank must pass the same): {detail}"
     )
+
+
+FOREIGN_STATE = (
+    "residuals belong to the rank that saved them: another rank's here would count its unsent "
+    "gradient twice and lose this rank's. Save the compression state on every rank, into a "
+    "file of its own (hook_state.state_dict(), optimizer.compression_state_dict()), and load "
+    "each rank's own; or load it on no rank, and every rank starts afresh"
+)
+OWN_STATE_FIELD = "compression_state_saved_by_this_rank"
+
+
+def agree_holding_own_state(
+    transport: Transport, what: str, fields: dict[str, Any], saved_by: int | None
+) -> None:
+    """agree() on `fields` and on whether this rank's compression state, if it restored one,
+    was saved by this rank (`saved_by`: the saving rank, None when nothing was restored or the
+    checkpoint predates the record): ValueError on every rank at once when any rank holds
+    another rank's state, rather than training on with one rank's residuals counted twice."""
+    own = saved_by is None or saved_by == transport.rank
+    try:
+        agree(transport, what, {**fields, OWN_STATE_FIELD: own})
+    except ValueError as exc:
+        if OWN_STATE_FIELD not in str(exc):
+            raise
+        raise ValueError(
+            f"{exc}. Some ranks restored another rank's compression state: {FOREIGN_STATE}"
+        ) from exc
+    if saved_by is not None and not own:
+        raise ValueError(
+            f"rank {transport.global_rank(transport.rank)} restored the compression state "
+            f"that rank {transport.global_rank(saved_by)} saved: {FOREIGN_STATE}"
+        )

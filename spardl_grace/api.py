@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .agreement import agree, digest, settings_of
+from .agreement import agree_holding_own_state, digest, settings_of
 from .comm_thread import CommThread, future_for
 from .transport import Transport
 from .warmup import warmup_density
@@ -305,6 +305,8 @@ class Synchronizer(ABC):
     #: keys of this communicator's own state that belong to one rank (estimates from its own
     #: gradients), left out of shared_state_dict()
     RANK_LOCAL_STATE: tuple[str, ...] = ()
+    #: public attributes that are not settings the ranks agree on
+    NOT_SETTINGS = ("world_size", "reuse_results", "restored", "state_saved_by")
 
     def __init__(self, memory: Memory, transport: Transport | int | None = None):
         _check_protocol(memory, "memory", ("compensate",))
@@ -316,6 +318,11 @@ class Synchronizer(ABC):
         self.last_stats: dict[str, float] = {}
         self._agreed: dict[str, int] = {}
         self._executor: CommThread | None = None
+        #: whether load_state_dict() (or load_shared_state_dict()) restored a state here
+        self.restored = False
+        #: the rank that saved the state load_state_dict() restored (None: none restored, or
+        #: one saved before states recorded their rank)
+        self.state_saved_by: int | None = None
 
     def _parts(self) -> dict[str, Any]:
         """The parts besides the memory whose settings the ranks agree on and whose state is
@@ -330,7 +337,7 @@ class Synchronizer(ABC):
             "numel": tensor.numel(),
             "dtype": str(tensor.dtype),
             "device": tensor.device.type,
-            "communicator": settings_of(self, self.RANK_LOCAL + ("world_size", "reuse_results")),
+            "communicator": settings_of(self, self.RANK_LOCAL + self.NOT_SETTINGS),
             **{key: settings_of(part) for key, part in self._parts().items()},
             "memory": settings_of(self.memory),
         }
@@ -338,11 +345,12 @@ class Synchronizer(ABC):
     def agree(self, tensor: torch.Tensor, name: str) -> None:
         """On the first step of `name`, and whenever its fingerprint changes here, check with
         one small collective that every rank has the same fingerprint; ValueError on every
-        rank, naming the differing fields, if not (spardl_grace.agreement)."""
+        rank, naming the differing fields, if not (spardl_grace.agreement); also when any rank
+        restored a compression state that another rank saved."""
         fields = self.fingerprint(tensor, name)
-        key = digest(fields)
+        key = digest({**fields, "state_saved_by": self.state_saved_by})
         if self._agreed.get(name) != key:
-            agree(self.transport, f"'{name}'", fields)
+            agree_holding_own_state(self.transport, f"'{name}'", fields, self.state_saved_by)
             self._agreed[name] = key
 
     def result_is_finite(self, result: torch.Tensor, name: str) -> bool:
@@ -413,11 +421,14 @@ class Synchronizer(ABC):
             "memory": _state_of(self.memory),
             "communicator": self._own_state(),
             "world_size": self.world_size,
+            "rank": self.transport.rank,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned. Raises ValueError when it was written by another
-        number of workers: residuals and schedules belong to one partition of the work."""
+        number of workers: residuals and schedules belong to one partition of the work. A state
+        another rank saved loads, and the next synchronisation raises ValueError on every rank
+        (agreement.agree_holding_own_state)."""
         if state.get("world_size", self.world_size) != self.world_size:
             raise ValueError(
                 f"checkpoint was written by {state['world_size']} workers, this run "
@@ -429,6 +440,8 @@ class Synchronizer(ABC):
             if callable(load):
                 load(state.get(key, {}))
         self._load_own_state(state.get("communicator", {}))
+        self.restored = True
+        self.state_saved_by = state.get("rank")
 
     def shared_state_dict(self) -> dict[str, Any]:
         """state_dict() without what belongs to this rank alone: the memory (residuals,
@@ -436,7 +449,7 @@ class Synchronizer(ABC):
         schedules, thresholds computed from every rank's data) is the same on every rank, so a
         rank starting afresh may take it from another (spardl_grace.broadcast_optimizer_state)."""
         state = self.state_dict()
-        del state["memory"]
+        del state["memory"], state["rank"]
         for key, part in {**self._parts(), "communicator": self}.items():
             for local in getattr(part, "RANK_LOCAL_STATE", ()):
                 state[key].pop(local, None)

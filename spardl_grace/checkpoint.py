@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +159,40 @@ def load_agreed_checkpoint(
         for state, file in held
         if int(state["step"]) == step and _run_digest(state["run_id"]) == digest
     )
+
+
+def warn_if_resumed_afresh(optimizer: torch.optim.Optimizer, restored: bool, save: str) -> None:
+    """At `optimizer`'s first step that synchronises in this process: a RuntimeWarning when it
+    holds state that its steps here do not account for (a state loaded from a checkpoint:
+    a step count above theirs, or any state before any step) while the communicator of its
+    parameters `restored` none, so the residuals, step counters and warm-ups start afresh.
+    The state an optimizer creates in steps of its own (Horovod's broadcast_optimizer_state
+    and torch.distributed.checkpoint step on zero gradients to create it) is not taken for a
+    loaded one. `save` names what the caller should have saved on every rank."""
+    from .step_hooks import steps_taken
+
+    taken = steps_taken(optimizer)
+    if restored or not any(
+        _from_elsewhere(optimizer.state.get(p, {}), taken)
+        for group in optimizer.param_groups
+        for p in group["params"]
+    ):
+        return
+    warnings.warn(
+        "spardl_grace: the optimizer holds state from before this process (a resumed run?) "
+        "but the compression state was not restored: this rank's residuals, step counters "
+        "and warm-ups start afresh ('auto' measures again), and the gradient mass unsent at "
+        f"the save is lost. Save {save} on every rank beside the model and optimizer, each "
+        "rank into a file of its own, and load each rank's own (see the Checkpoints guide); "
+        "if this run did not resume, ignore this",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _from_elsewhere(state: dict[str, Any], taken: int) -> bool:
+    """Whether an optimizer's state of one parameter holds more than `taken` steps made: a
+    step count above them, or any state at all before any step."""
+    if "step" in state:
+        return float(state["step"]) > taken
+    return bool(state) and not taken

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .api import Synchronizer
+from .checkpoint import warn_if_resumed_afresh
 from .registry import grace_from_params, refuse_update_exchange, resolve_params
 from .step_hooks import watch
 from .sync import (
@@ -44,6 +45,7 @@ from .sync import (
     GradientSync,
     check_dense_path_keeps_momentum,
     settle,
+    stable_name,
 )
 
 
@@ -103,7 +105,7 @@ class CommHookState:
         inner = (
             model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         )
-        named = list(inner.named_parameters())
+        named = [(stable_name(n), p) for n, p in inner.named_parameters()]
         self.names = {p: n for n, p in named}
         self.position = {p: i for i, (_, p) in enumerate(named)}
         self._grace = grace
@@ -118,11 +120,17 @@ class CommHookState:
         self.optimizer_steps = 0
         self._at_last_sync: tuple[int, int] | None = None
         self._warned_unseen_step = False
+        #: a resume without this state was reported already (by the trainers' checkpoint
+        #: load), so the first optimizer step does not warn again
+        self.reported_fresh_state = False
+        self._resume_checked = False
         watch(inner, self, "the DDP hook")
 
     def _build(self, grace: Synchronizer) -> GradientSync:
         warmup, min_numel, overlap, timeout = self._sync_args
-        return GradientSync(grace, warmup, min_numel, overlap, "spardl-ddp-comm", timeout)
+        return GradientSync(
+            grace, warmup, min_numel, overlap, "spardl-ddp-comm", timeout, self.names.values()
+        )
 
     @property
     def synchronized_steps(self) -> int:
@@ -166,7 +174,10 @@ class CommHookState:
                 "gradient accumulation needs DDP's no_sync() on every backward but the last "
                 "(Lightning's accumulate_grad_batches and Accelerate's accelerator.accumulate() "
                 "do this); otherwise the hook would compress the gradient averaged at the "
-                "previous backward again and count part of it twice"
+                "previous backward again and count part of it twice. A forward of the DDP "
+                "model with gradients enabled and no backward (an evaluation outside "
+                "torch.no_grad()) makes DDP synchronise at the next backward even inside "
+                "no_sync(): evaluate under torch.no_grad()"
             )
         if not self._warned_unseen_step:
             self._warned_unseen_step = True
@@ -183,6 +194,17 @@ class CommHookState:
     def holds_parameters_of(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether `optimizer` updates any of the parameters this state synchronises."""
         return any(p in self.names for group in optimizer.param_groups for p in group["params"])
+
+    def check_resumed(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called by spardl_grace.step_hooks before each step of an optimizer that holds these
+        parameters: at the first after a synchronisation, warns when the optimizer was resumed
+        without this state (a step before any, as torch.distributed.checkpoint takes to create
+        the optimizer's state, tells nothing)."""
+        if self._resume_checked or not self.synchronized_steps:
+            return
+        self._resume_checked = True
+        if not self.reported_fresh_state:
+            warn_if_resumed_afresh(optimizer, self.sync.grace.restored, "hook_state.state_dict()")
 
     def optimizer_stepped(self) -> None:
         """Called by spardl_grace.step_hooks after each step of an optimizer that holds these

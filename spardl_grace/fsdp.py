@@ -41,9 +41,24 @@ from typing import Any, cast
 import torch
 import torch.distributed
 
+from .checkpoint import warn_if_resumed_afresh
 from .frozen_adam import refuse_without_the_step
 from .step_hooks import watch
 from .transport.torch_dist import TorchDistTransport
+
+
+def check_layout(hook: Any, numel: int) -> None:
+    """ValueError when a unit hands `hook` (a ReplicaHook or SparseReduceScatter) a gradient
+    of another size than before: its residual belongs to one layout."""
+    if hook.numel is None:
+        hook.numel = numel
+    elif numel != hook.numel:
+        raise ValueError(
+            f"unit '{hook.name}' handed a gradient of {numel} entries, {hook.numel} before: FSDP "
+            "leaves parameters without a gradient out of its reduce-scatter unless "
+            "set_reduce_scatter_unused_params(True), which hybrid_shard and flat_shard set on "
+            "every unit: keep it on"
+        )
 
 
 def _param_group(module: Any) -> Any:
@@ -75,10 +90,12 @@ class ReplicaHook:
         self.name = name
         self.module = module
         self.bytes_sent = 0  # by this rank, across the replicas, over every call
+        self.numel: int | None = None  # of the unit's gradient shard, from the first call
         self._partial: torch.Tensor | None = None
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         flat = reduce_output.view(-1)
+        check_layout(self, flat.numel())
         group = _param_group(self.module) if self.module is not None else None
         if group is not None and not group.all_reduce_grads:
             self._partial = flat.clone() if self._partial is None else self._partial.add_(flat)
@@ -105,6 +122,7 @@ class SparseReduceScatter:
         self.grace = grace
         self.name = name
         self.bytes_sent = 0  # by this rank, over every call
+        self.numel: int | None = None  # of the unit's reduce-scatter input, from the first call
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A new, uninitialised buffer for FSDP's reduce-scatter input or output (FSDP fills
@@ -133,6 +151,7 @@ class SparseReduceScatter:
                 f"the sparse reduce-scatter honours FSDP's SUM, AVG and PREMUL_SUM (what "
                 f"set_gradient_divide_factor asks for), got {op!r}"
             )
+        check_layout(self, input_tensor.numel())
         shard = self.grace.reduce_scatter(input_tensor.reshape(-1), self.name)
         if kind == ReduceOp.AVG:
             shard /= self.grace.transport.size
@@ -169,6 +188,7 @@ class ShardSync:
         self.hooks = dict(hooks)
         self._key = f"rank{rank}"
         self.momentum_correction = getattr(grace.memory, "momentum_correction", 0.0)
+        self._resume_checked = False
         self._model = weakref.ref(model) if model is not None else None
         if model is not None:
             watch(model, self, "FSDP2")
@@ -182,6 +202,17 @@ class ShardSync:
         mine = {id(p) for p in model.parameters()}
         return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
+    def check_resumed(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called by spardl_grace.step_hooks before each step of an optimizer of the sharded
+        model: at the first after a synchronisation, warns when the optimizer was resumed
+        without this state (the step torch.distributed.checkpoint takes to create the
+        optimizer's state, before any, tells nothing)."""
+        if self._resume_checked or all(hook.numel is None for hook in self.hooks.values()):
+            return
+        self._resume_checked = True
+        saved = "this ShardSync (in what dcp.save saves)"
+        warn_if_resumed_afresh(optimizer, self.grace.restored, saved)
+
     def optimizer_stepped(self) -> None:
         """Called by spardl_grace.step_hooks after each such step: nothing to do (only the
         DDP hook counts steps, for its check of accumulation without no_sync())."""
@@ -192,16 +223,28 @@ class ShardSync:
         every unit and step together."""
         return sum(hook.bytes_sent for hook in self.hooks.values())
 
+    def _layout(self) -> dict[str, Any]:
+        """What this rank's residuals belong to: the ranks, the communicator's (the replicas
+        for hybrid_shard), and each unit's gradient size where it has synchronised."""
+        return {
+            "world_size": torch.distributed.get_world_size(),
+            "communicator_ranks": self.grace.transport.size,
+            "numels": {name: hook.numel for name, hook in self.hooks.items()},
+        }
+
     def state_dict(self) -> dict[str, Any]:
-        """{'rank<r>': this rank's compression state, torch.save'd into a BytesIO}."""
+        """{'rank<r>': this rank's compression state and its layout, torch.save'd into a
+        BytesIO}."""
         buffer = io.BytesIO()
-        torch.save(self.grace.state_dict(), buffer)
+        torch.save({"grace": self.grace.state_dict(), "layout": self._layout()}, buffer)
         buffer.seek(0)
         return {self._key: buffer}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from what state_dict() gave on this rank; ValueError when the checkpoint holds
-        no state for this rank (written by another number of ranks)."""
+        no state for this rank, or one of another layout (another number of ranks or
+        replicas, or units of other sizes: torch.distributed.checkpoint reshards the model and
+        the optimizer, but a residual belongs to one shard)."""
         if self._key not in state:
             raise ValueError(
                 f"the checkpoint holds no compression state for {self._key} (it has "
@@ -209,7 +252,26 @@ class ShardSync:
             )
         buffer = state[self._key]
         buffer.seek(0)
-        self.grace.load_state_dict(torch.load(buffer, weights_only=True))
+        saved = torch.load(buffer, weights_only=True)
+        if "layout" not in saved:  # written before states carried their layout
+            saved = {"grace": saved, "layout": None}
+        layout, now = saved["layout"], self._layout()
+        if layout is not None:
+            same = all(layout[key] == now[key] for key in ("world_size", "communicator_ranks"))
+            same = same and set(layout["numels"]) == set(now["numels"])
+            if not same or any(
+                n is not None and now["numels"][name] not in (None, n)
+                for name, n in layout["numels"].items()
+            ):
+                raise ValueError(
+                    f"this compression state was saved under another sharding ({layout} there, "
+                    f"{now} here): residuals belong to one shard of one layout, so they do not "
+                    "carry over a change of ranks, replicas or units. Resume on the layout it "
+                    "was saved on, or leave the ShardSync out of what you load"
+                )
+            for name, n in layout["numels"].items():
+                self.hooks[name].numel = n
+        self.grace.load_state_dict(saved["grace"])
 
 
 def _check_mesh(mesh: Any, replicate: str, shard: str) -> None:
@@ -219,7 +281,9 @@ def _check_mesh(mesh: Any, replicate: str, shard: str) -> None:
             f"hybrid_shard needs a 2-D device mesh with dimensions named {replicate!r} (across "
             f"nodes) and {shard!r} (inside a node), e.g. init_device_mesh('cpu', (nodes, "
             f"per_node), mesh_dim_names=({replicate!r}, {shard!r})); got {mesh.ndim}-D "
-            f"with names {names}"
+            f"with names {names}. A mesh of your own names (torchtitan's 'dp_replicate', "
+            "'dp_shard') works as it is: name them with hybrid_shard(..., replicate=NAME, "
+            "shard=NAME), and a larger mesh by its 2-D slice, mesh['dp_replicate', 'dp_shard']"
         )
 
 
@@ -230,15 +294,15 @@ def _fully_shard_units(
     fully_shard_kwargs: Mapping[str, Any],
     caller: str,
 ) -> dict[str, Any]:
-    """fully_shard each of `units` (default: every direct child of `model` that has
-    parameters) and then `model` over `mesh`; the FSDP modules by residual key: each unit's
+    """fully_shard each of `units` (default: _default_units) and then `model` over `mesh`,
+    each with FSDP's reduce_scatter_unused_params on; the FSDP modules by residual key: each unit's
     module path, and '<root>' for the model (its parameters of no unit). ValueError for a unit
     that is not a submodule."""
     from torch.distributed.fsdp import fully_shard
 
     names = {id(module): name for name, module in model.named_modules()}
     if units is None:
-        chosen = [child for child in model.children() if any(True for _ in child.parameters())]
+        chosen = _default_units(model)
     else:
         # A ModuleDict iterates over its keys (torchtitan keeps its blocks in one).
         chosen = list(units.values() if isinstance(units, torch.nn.ModuleDict) else units)
@@ -253,7 +317,25 @@ def _fully_shard_units(
     for unit in chosen:
         fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
-    return {**{names[id(unit)]: unit for unit in chosen}, "<root>": model}
+    modules: dict[str, Any] = {**{names[id(unit)]: unit for unit in chosen}, "<root>": model}
+    for module in modules.values():
+        # FSDP leaves a parameter without a gradient out of its reduce-scatter, which would
+        # change the unit's shard, and so its residual's layout, from step to step.
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+    return modules
+
+
+def _default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Each direct child of `model` that has parameters, a container's (ModuleList,
+    ModuleDict: they have no forward of their own, so fully_shard refuses them) replaced by its
+    children, as torchtitan and Hugging Face models keep their blocks in one."""
+    units = []
+    for child in model.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            units += _default_units(child)
+        elif any(True for _ in child.parameters()):
+            units.append(child)
+    return units
 
 
 def hybrid_shard(
@@ -267,13 +349,18 @@ def hybrid_shard(
     **fully_shard_kwargs: Any,
 ) -> ShardSync:
     """fully_shard each of `units` (a ModuleList, a ModuleDict or any iterable of submodules;
-    default: every direct child of `model` that has parameters) and then `model` over
+    default: every direct child of `model` that has parameters, the modules of a ModuleList or
+    ModuleDict child in its place) and then `model` over
     mesh[shard], and combine each unit's gradient shard across mesh[replicate] as HSDP would
     (ReplicaHook: its divide factor, force-sum and set_requires_all_reduce honoured) with the
     communicator grace_from_params(params) builds on that dimension's process group. Returns
     the ShardSync. `fully_shard_kwargs` go to every fully_shard call (mp_policy,
     reshard_after_forward, ...). ValueError for a mesh that is not
-    2-D with those dimension names, and for params grace_from_params refuses."""
+    2-D with those dimension names, and for params grace_from_params refuses. A parameter
+    without a gradient in a step (every rank's or some ranks') is reduced as zeros, since each
+    unit keeps FSDP's reduce_scatter_unused_params on (the shard's layout keys its residual):
+    it gets a gradient of zeros plus what its residual sends, where FSDP alone would give it
+    none."""
     from .registry import grace_from_params, refuse_update_exchange, resolve_params
 
     resolved = resolve_params(dict(params))
@@ -298,7 +385,8 @@ def flat_shard(
     **fully_shard_kwargs: Any,
 ) -> ShardSync:
     """fully_shard each of `units` (a ModuleList, a ModuleDict or any iterable of submodules;
-    default: every direct child of `model` that has parameters) and then `model` over the 1-D
+    default: every direct child of `model` that has parameters, the modules of a ModuleList or
+    ModuleDict child in its place) and then `model` over the 1-D
     `mesh` (default: every rank), and make SparDL's
     Spar-Reduce-Scatter each unit's reduce-scatter (a SparseReduceScatter), with the
     communicator grace_from_params(params) builds on the mesh's process group. Returns the

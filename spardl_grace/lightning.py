@@ -138,6 +138,8 @@ class GradientCompression(pl.Callback):
         """Warn when the checkpoint holds no state of this callback (Lightning then skips
         load_state_dict, and the residuals start afresh)."""
         if self.state_key not in checkpoint.get("callbacks", {}):
+            if self.state is not None:
+                self.state.reported_fresh_state = True
             warnings.warn(
                 "spardl_grace: the checkpoint holds no compression state of this callback; "
                 "the residuals start afresh (a checkpoint written without it)",

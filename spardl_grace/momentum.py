@@ -32,14 +32,16 @@ def taken_over_groups(optimizer: torch.optim.Optimizer, m: float) -> list[dict[s
     or an optimizer other than SGD with momentum (Adam's moments are not DGC's velocity)."""
     groups = []
     for group in optimizer.param_groups:
-        momentum = group.get("momentum", 0.0)
+        # Adam's family keeps its momentum as betas[0], its first moment
+        momentum = group.get("momentum", 0.0) or group.get("betas", (0.0,))[0]
         if not momentum:
             continue
         if not isinstance(optimizer, torch.optim.SGD):
             raise ValueError(
                 f"momentum correction ({m}) stands in for SGD's momentum; "
-                f"{type(optimizer).__name__} has momentum {momentum} of its own: give it "
-                "momentum=0, or leave momentum_correction at 0"
+                f"{type(optimizer).__name__} has momentum {momentum} of its own (Adam's first "
+                "moment is not DGC's velocity): leave momentum_correction at 0, or give the "
+                "optimizer no momentum"
             )
         if momentum != m or group.get("dampening", 0.0):
             raise ValueError(

@@ -27,6 +27,7 @@ import torch
 
 from .api import Synchronizer, communication_dtype
 from .buffers import BufferPool
+from .checkpoint import warn_if_resumed_afresh
 from .frozen_adam import check_optimizer, frozen_step
 from .fusion import assign_grads, assign_params, flatten_grads, flatten_params
 from .horovod_compat import (
@@ -39,7 +40,8 @@ from .horovod_compat import (
 )
 from .memories.residual import ResidualMemory
 from .momentum import momentum_handed_over, taken_over_groups, uses_nesterov
-from .sync import FIRST_STEP_TIMEOUT_S, Bucket, GradientSync
+from .step_hooks import inherit_steps
+from .sync import FIRST_STEP_TIMEOUT_S, Bucket, GradientSync, stable_name
 
 
 def plan_buckets(
@@ -107,6 +109,7 @@ def _named(
         raise ValueError(
             "named_parameters must be (name, parameter) pairs, as from model.named_parameters()"
         )
+    named = [(stable_name(n), p) for n, p in named]
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -170,6 +173,7 @@ class _DistributedOptimizer:
             overlap,
             "spardl-comm",
             first_step_timeout,
+            [n for n, _ in named],
         )
         self._adam_freeze_step = adam_freeze_step
         self._exchange = exchange
@@ -194,6 +198,9 @@ class _DistributedOptimizer:
         self._launching = threading.Lock()
         self._flat_pool = BufferPool()  # each bucket's flat gradients, reused once released
         self._synchronized = False
+        #: whether a step that synchronises (not one that only creates the optimizer's state,
+        #: as Horovod's broadcast_optimizer_state and torch.distributed.checkpoint take) came
+        self._resume_checked = False
         self._gradients_synchronized = False  # this step's gradients, by synchronize()
         self._should_synchronize = True
         self._hooks = [
@@ -334,6 +341,13 @@ class _DistributedOptimizer:
         gradient zero, is how Horovod's broadcast_optimizer_state creates the state on the
         ranks that have none while the others wait for it: that step does not synchronise and
         leaves the parameters as they were (see _creates_state)."""
+        if not self._resume_checked and not self._creates_state():
+            self._resume_checked = True
+            warn_if_resumed_afresh(
+                cast(torch.optim.Optimizer, self),
+                self._sync.grace.restored,
+                "optimizer.compression_state_dict()",
+            )
         if self._exchanges_updates:
             self._synchronized = False
             return (
@@ -608,6 +622,7 @@ def DistributedOptimizer(
     )
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
+    inherit_steps(cast(torch.optim.Optimizer, wrapped), optimizer)  # its state came from them
     if hasattr(wrapped, "_patch_step_function"):  # torch's step hooks and profiling
         wrapped._patch_step_function()
     wrapped._setup(

@@ -6,9 +6,13 @@ hand in that step: momentum correction takes an SGD's momentum over for the step
 frozen (spardl_grace.frozen_adam); and the DDP hook counts the steps taken, to tell an
 accumulation without no_sync() from a step it did not see. watch(model, holder, where)
 registers, once per process, torch's global optimizer step pre- and post-hooks; before a step
-of any optimizer that updates a watched holder's parameters each option does its part; after
+of any optimizer that updates a watched holder's parameters each option does its part (and
+the holder checks, once, that a resumed optimizer came with its compression state:
+spardl_grace.checkpoint.warn_if_resumed_afresh); after
 the step what it changed for the step is put back (before the next step, if the step raised)
 and every such holder is told that a step was taken (a step that raised is not counted).
+One more global post-hook, registered on import, counts every optimizer's steps in this
+process (steps_taken), so a state loaded from a checkpoint can be told from one made here.
 """
 
 from __future__ import annotations
@@ -25,14 +29,37 @@ from torch.optim.optimizer import (
 
 #: model -> (a DDP hook state or FSDP2's ShardSync, the integration's name), for as long as the
 #: model lives (a second watch of the model replaces the first); the holder has
-#: momentum_correction, adam_freeze_step, synchronized_steps, holds_parameters_of(optimizer)
-#: and optimizer_stepped()
+#: momentum_correction, adam_freeze_step, synchronized_steps, holds_parameters_of(optimizer),
+#: check_resumed(optimizer) (before each step) and optimizer_stepped()
 _WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str]] = weakref.WeakKeyDictionary()
 _HOOKS: list[Any] = []
 #: optimizers in a step: what puts back what the options changed for it
 _UNDO: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Callable[[], None]]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+#: optimizer -> the steps it took in this process (counted from the import of this module,
+#: which every way into the library makes before a user's script builds its optimizer)
+_STEPS_TAKEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+
+def _count(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _STEPS_TAKEN[optimizer] = _STEPS_TAKEN.get(optimizer, 0) + 1
+
+
+def steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """How many steps `optimizer` took in this process: state it holds beyond them came from
+    elsewhere (a checkpoint)."""
+    return _STEPS_TAKEN.get(optimizer, 0)
+
+
+def inherit_steps(new: torch.optim.Optimizer, old: torch.optim.Optimizer) -> None:
+    """`new` shares `old`'s state (a wrapper built from it): it counts `old`'s steps too."""
+    _STEPS_TAKEN[new] = steps_taken(old)
+
+
+register_optimizer_step_post_hook(_count)
 
 
 def watch(model: torch.nn.Module, holder: Any, where: str) -> None:
@@ -53,6 +80,7 @@ def _before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for holder, where in list(_WATCHED.values()):
         if not holder.holds_parameters_of(optimizer):
             continue
+        holder.check_resumed(optimizer)
         undo: list[Callable[[], None]] = []
         try:
             undo += take_over_momentum(optimizer, holder, where)

@@ -18,14 +18,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from .agreement import agree
+from .agreement import agree_holding_own_state
 from .api import (
     Memory,
     Synchronizer,
@@ -41,6 +41,16 @@ T = TypeVar("T")
 
 #: how long the first synchronisation of a bucket in a process waits for the other ranks
 FIRST_STEP_TIMEOUT_S = 60.0
+
+#: the name segments of modules that wrap another (torch.compile's OptimizedModule, activation
+#: checkpointing's CheckpointWrapper, FSDP1's wrapper): torch's own state dicts leave them out
+WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def stable_name(name: str) -> str:
+    """`name` (from named_parameters()) without the segments of wrapping modules, so the
+    residuals a checkpoint keys by it resume whether or not the model is compiled or wrapped."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 @dataclass(frozen=True)
@@ -204,6 +214,7 @@ class GradientSync:
         overlap: bool = True,
         thread_name: str = "spardl-comm",
         first_step_timeout: float = FIRST_STEP_TIMEOUT_S,
+        parameter_names: Collection[str] = (),
     ):
         if not isinstance(grace, Synchronizer):
             raise TypeError(
@@ -236,6 +247,7 @@ class GradientSync:
             dense_warmup_steps, grace.dense_warmup_steps, grace.adam_freeze_step
         )
         self.min_numel = min_numel
+        self.parameter_names = frozenset(parameter_names)
         self.steps = 0
         #: whether the last finished step synchronised every bucket sparsely with a finite
         #: result (False when a bucket went dense, whose result is not checked)
@@ -388,7 +400,7 @@ class GradientSync:
             transport = self.grace.transport
             try:
                 with timeout_at_most(transport, self.first_step_timeout):
-                    agree(
+                    agree_holding_own_state(
                         transport,
                         f"the layout of bucket {bucket.key}",
                         {
@@ -401,6 +413,7 @@ class GradientSync:
                             "adam_freeze_step": self.grace.adam_freeze_step,
                             "exchange": self.grace.exchange,
                         },
+                        self.grace.state_saved_by,
                     )
             except ValueError as exc:
                 if "compression_state_step" not in str(exc):
@@ -451,8 +464,28 @@ class GradientSync:
         return {"grace": self.grace.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state_dict() of the same world size (ValueError otherwise)."""
+        """Restore a state_dict() of the same world size (ValueError otherwise). Residuals saved
+        under a wrapped module's names (a compiled model's) are taken under stable_name(); a
+        residual of a parameter not among parameter_names raises ValueError (the model's
+        parameters were renamed since the save: it would never be sent), leaving the state
+        as it was."""
+        before = (self.grace.state_dict(), self.grace.state_saved_by, self.grace.restored)
         self.grace.load_state_dict(state["grace"])
+        stores = getattr(self.grace.memory, "stores", None)
+        for store in stores() if callable(stores) else []:
+            for name in [n for n in store if stable_name(n) != n]:
+                store[stable_name(name)] = store.pop(name)
+            unknown = sorted(set(store) - self.parameter_names) if self.parameter_names else []
+            if unknown:
+                self.grace.load_state_dict(before[0])
+                self.grace.state_saved_by, self.grace.restored = before[1:]
+                raise ValueError(
+                    f"the compression state holds residuals of {len(unknown)} parameters this "
+                    f"model does not have ({', '.join(map(repr, unknown[:4]))}"
+                    f"{', ...' if len(unknown) > 4 else ''}): it was saved from a model whose "
+                    "parameters had other names, and they would never be sent. Resume the "
+                    "model it was saved from, or leave the compression state out"
+                )
         self.steps = int(state["steps"])
 
     def shared_state_dict(self) -> dict[str, Any]:

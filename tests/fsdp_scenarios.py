@@ -333,3 +333,113 @@ def auto_between_replicas(transport) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     _train(model, optimizer, transport.rank, range(6))
     return {"params": _shards(model), "choice": sync.grace.choice, "plan": sync.grace.plan}
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.adapter = torch.nn.Linear(16, 16)
+
+    def forward(self, x, skip: bool):
+        x = torch.relu(self.lin(x))
+        return x if skip else x + self.adapter(x)
+
+
+class _Blocks(torch.nn.Module):
+    """torchtitan's layout: the blocks in a ModuleDict (a container without forward) between
+    an input and an output layer; `skip` leaves block '1''s adapter out (its parameters get no
+    gradient), as a conditional branch does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleDict({str(i): _Block() for i in range(3)})
+        self.out = torch.nn.Linear(16, 4)
+        self.skip = False
+
+    def forward(self, x):
+        x = self.inp(x)
+        for name, layer in self.layers.items():
+            x = layer(x, self.skip and name == "1")
+        return self.out(x)
+
+
+def _skipping_steps(model, rank: int, skip_on) -> list[torch.Tensor]:
+    """Four SGD steps, block '1''s adapter skipped where skip_on(step) holds."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        model.skip = skip_on(step)
+        optimizer.zero_grad()
+        model(_batch(rank, step)).pow(2).sum().backward()
+        optimizer.step()
+    return _shards(model)
+
+
+def user_patterns(transport) -> dict:
+    """What torchtitan-style scripts met: the default units of a model keeping its blocks in a
+    ModuleDict (fully_shard refused the container); a block without gradient on some steps,
+    on every rank or on rank 0 alone (the unit's shard changed size and the residual's check
+    raised), at density 1 on the exact wire against HSDP with reduce_scatter_unused_params,
+    and flat_shard's sparse steps; a DCP resume that leaves the ShardSync out (afresh, in
+    silence before) and one that keeps it; a state of another layout loaded."""
+    import io
+    import tempfile
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from spardl_grace.fsdp import flat_shard, hybrid_shard
+    rank, out = transport.rank, {}
+    hybrid = _Blocks()
+    sync = hybrid_shard(hybrid, _mesh(), {**SPARDL, "compress_ratio": 1.0, "wire": "exact"})
+    out["units"] = sorted(sync.hooks)
+    native = _Blocks()
+    for unit in [native.inp, *native.layers.values(), native.out, native]:
+        fully_shard(unit, mesh=_mesh())
+    native.set_reduce_scatter_unused_params(True)
+    for who, skip_on in (("every rank", lambda s: s % 2 == 1), ("rank 0", lambda s: rank == 0)):
+        out[who] = {"hybrid": _skipping_steps(hybrid, rank, skip_on),
+                    "native": _skipping_steps(native, rank, skip_on)}
+    flat = _Blocks()
+    flat_shard(flat, {**SPARDL, "compress_ratio": 0.1})
+    out["flat"] = _skipping_steps(flat, rank, lambda s: s % 2 == 1)
+
+    holder = [tempfile.mkdtemp(prefix="spardl-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(holder, 0)
+
+    def build():
+        model = _Blocks()
+        sync = hybrid_shard(model, _mesh(), {**SPARDL, "compress_ratio": 0.1})
+        return model, sync, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    model, sync, optimizer = build()
+    _train(model, optimizer, rank, range(2))
+    dcp.save({"model": get_state_dict(model, optimizer)[0], "optim": get_state_dict(model, optimizer)[1],
+              "spardl": sync}, checkpoint_id=holder[0])
+    for keep in (False, True):
+        model, sync, optimizer = build()
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # DCP steps to create the state
+        state = {"model": model_sd, "optim": optim_sd, **({"spardl": sync} if keep else {})}
+        dcp.load(state, checkpoint_id=holder[0])
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train(model, optimizer, rank, range(2, 4))
+        out[f"resumed, ShardSync {'kept' if keep else 'left out'}"] = [
+            str(w.message) for w in caught if "spardl_grace" in str(w.message)]
+    saved = sync.state_dict()[f"rank{rank}"]
+    state = torch.load(saved, weights_only=True)
+    state["layout"]["communicator_ranks"] = 4
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    try:
+        sync.load_state_dict({f"rank{rank}": buffer})
+    except ValueError as exc:
+        out["other layout"] = str(exc)
+    return out

@@ -161,3 +161,18 @@ def test_disagreeing_ranks_fail_at_once_under_real_launchers(launch, backend):
         assert all(e == errors[0] for e in errors) and field in errors[0], errors
         # At once, not by the transport's timeout (60 s in tests/mp_worker.py).
         assert max(rank[case][1] for rank in per_rank) < 30
+
+
+def test_a_disagreement_names_the_jobs_ranks_on_a_subgroup():
+    """On one dimension of an FSDP2 mesh the communicator's ranks are not the job's: the
+    message named ranks 0 and 1 of the replicas where the processes were the job's 2 and 3."""
+    from spardl_grace.agreement import agree
+
+    def fn(t):
+        t.global_rank = lambda r: 2 + r
+        with pytest.raises(ValueError) as raised:
+            agree(t, "a setting", {"density": 0.01 * (1 + t.rank)})
+        return str(raised.value)
+
+    for message in run_local(2, fn):
+        assert "density: rank 2 0.01, rank 3 0.02" in message

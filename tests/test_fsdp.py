@@ -149,3 +149,26 @@ def test_flat_shard_refuses_another_communicator_and_a_2d_mesh():
 
 
 _SPARDL = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl"}
+
+
+def test_torchtitans_model_layout_unused_blocks_and_dcp_resumes_as_users_write_them(launch):
+    """Found by trying FSDP2 as a torchtitan user: each of these raised or resumed afresh in
+    silence before (see fsdp_scenarios.user_patterns)."""
+    for rank, got in enumerate(launch("gloo", 4, "fsdp_scenarios.user_patterns", timeout=400)):
+        assert got["units"] == ["<root>", "inp", "layers.0", "layers.1", "layers.2", "out"]
+        for who in ("every rank", "rank 0"):
+            for a, b in zip(got[who]["hybrid"], got[who]["native"]):
+                assert torch.equal(a, b), (rank, who)
+        assert all(torch.isfinite(p).all() for p in got["flat"])
+        (warned,) = got["resumed, ShardSync left out"]
+        assert "compression state was not restored" in warned and "ShardSync" in warned
+        assert got["resumed, ShardSync kept"] == []
+        assert "saved under another sharding" in got["other layout"]
+
+
+def test_momentum_correction_refuses_adams_first_moment():
+    """Adam keeps its momentum as betas[0]: momentum correction went on beside it unasked."""
+    from spardl_grace.momentum import taken_over_groups
+    adamw = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    with pytest.raises(ValueError, match="AdamW has momentum 0.9 of its own"):
+        taken_over_groups(adamw, 0.9)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import time
+import warnings
 
 import pytest
 import torch
@@ -448,3 +449,163 @@ def test_a_step_with_zero_gradients_after_backward_is_synchronised():
 
     assert run_local(2, fn) == [1, 1]
 
+
+
+# A resume with the wrong compression state, or none -----------------------------------------
+
+def _resumed(t, saved: dict, compression_of: int | None):
+    """A new job at step 3: every rank loads rank 0's optimizer state and, unless
+    `compression_of` is None, the compression state rank (rank + compression_of) % 3 saved;
+    then one step. Returns the error that step raised."""
+    model, optimizer = _trained(t, 0)
+    optimizer.load_state_dict(copy.deepcopy(saved["optimizer"][0]))
+    if compression_of is not None:
+        state = copy.deepcopy(saved["compression"][(t.rank + compression_of) % t.size])
+        optimizer.load_compression_state_dict(state)
+    optimizer.zero_grad()
+    _backward(model, t.rank, 3)
+    try:
+        optimizer.step()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("offset, expected", [
+    (None, "Some ranks restored another rank's compression state"),  # rank 0's everywhere
+    (1, "restored the compression state that rank"),  # every rank another's
+])
+def test_a_compression_state_another_rank_saved_raises_on_every_rank(offset, expected):
+    """Rank 0's state on every rank (a checkpoint rank 0 alone wrote) would count rank 0's
+    unsent gradient twice and lose the others'; each rank holding another's (files named by
+    rank, ranks renumbered) would do the same for all: every rank raises at its first step."""
+    saved = _saved()
+
+    def resume(t):
+        model, optimizer = _trained(t, 0)
+        optimizer.load_state_dict(copy.deepcopy(saved["optimizer"][0]))
+        source = 0 if offset is None else (t.rank + offset) % t.size
+        optimizer.load_compression_state_dict(copy.deepcopy(saved["compression"][source]))
+        optimizer.zero_grad()
+        _backward(model, t.rank, 3)
+        with pytest.raises(ValueError) as raised:
+            optimizer.step()
+        return str(raised.value)
+
+    for message in run_local(3, resume):
+        assert expected in message and "load each rank's own" in message
+
+
+def test_a_compression_state_saved_before_states_named_their_rank_resumes_as_before():
+    saved = _saved()
+    for state in saved["compression"]:
+        del state["grace"]["rank"]
+    assert run_local(3, _resumed, saved, 0) == [None] * 3
+
+
+def test_an_optimizer_resumed_without_its_compression_state_warns_once_per_rank():
+    """The optimizer's state came back and the compression state did not: the residuals start
+    afresh, which used to pass in silence. Resumed with both, started fresh, or after
+    Horovod's state-creating step on zero gradients (a fresh run's hvd.broadcast_optimizer_state),
+    nothing is said."""
+    saved = _saved()
+
+    def creating_state_first(t):
+        model, optimizer = _trained(t, 0)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()  # creates the state, synchronises nothing
+        _trained_step(model, optimizer, t.rank)
+
+    def fresh(t):
+        _trained(t, 2)
+
+    def created_before_wrapping(t):  # Horovod's MNIST example broadcasts before it wraps
+        model = _model(0)
+        adam = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=1e-3)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        adam.step()  # hvd.broadcast_optimizer_state's step: Adam's step count is 1 now
+        optimizer = spardl_grace.DistributedOptimizer(
+            adam, grace_from_params(PARAMS, transport=t), named_parameters=model.named_parameters())
+        _trained_step(model, optimizer, t.rank)
+
+    cases = {"afresh": (_resumed, saved, None), "both": (_resumed, saved, 0),
+             "fresh": (fresh,), "created": (creating_state_first,),
+             "created before wrapping": (created_before_wrapping,)}
+    said = {}
+    for case, (fn, *args) in cases.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run_local(3, fn, *args)
+        said[case] = [str(w.message) for w in caught if "spardl_grace" in str(w.message)]
+    assert len(said["afresh"]) == 3
+    assert all("compression state was not restored" in m for m in said["afresh"])
+    assert said["both"] == said["fresh"] == said["created"] == []
+    assert said["created before wrapping"] == []
+
+
+def _trained_step(model, optimizer, rank: int) -> None:
+    optimizer.zero_grad()
+    _backward(model, rank, 0)
+    optimizer.step()
+
+
+def test_residuals_are_keyed_by_names_without_the_wrappers_of_compile_or_checkpointing():
+    """A compiled model names its parameters '_orig_mod.NAME', a checkpoint-wrapped module
+    'NAME._checkpoint_wrapped_module.weight'; torch's own state dicts leave those segments
+    out, and so do the residuals now: what a compiled model's optimizer saves is keyed by the
+    plain names, and a state saved with the old prefixed names resumes on the plain ones bit
+    for bit (before, it resumed afresh in silence)."""
+    from spardl_grace.sync import stable_name
+    assert stable_name("_orig_mod.blocks.0._checkpoint_wrapped_module.attn.weight") == (
+        "blocks.0.attn.weight")
+
+    def compiled_names(t):
+        model = _model(0)
+        optimizer = spardl_grace.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), grace_from_params(PARAMS, transport=t),
+            named_parameters=[(f"_orig_mod.{n}", p) for n, p in model.named_parameters()])
+        _trained_step(model, optimizer, t.rank)
+        return sorted(optimizer.compression_state_dict()["grace"]["memory"]["residuals"])
+
+    assert run_local(2, compiled_names) == [["0.weight", "2.weight"]] * 2
+    saved = _saved()
+
+    def resumed(t, rename):
+        model, optimizer = _trained(t, 0)
+        optimizer.load_state_dict(copy.deepcopy(saved["optimizer"][t.rank]))
+        if rename is not None:
+            state = copy.deepcopy(saved["compression"][t.rank])
+            for key in ("residuals", "velocities"):
+                store = state["grace"]["memory"][key]
+                state["grace"]["memory"][key] = {rename(n): v for n, v in store.items()}
+            optimizer.load_compression_state_dict(state)
+        optimizer.zero_grad()
+        _backward(model, t.rank, 3)
+        optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    prefixed = run_local(3, resumed, lambda n: f"_orig_mod.{n}")
+    as_saved = run_local(3, resumed, lambda n: n)
+    afresh = run_local(3, resumed, None)  # the residuals matter: without them, other bits
+    for rank in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(prefixed[rank], as_saved[rank]))
+        assert not all(torch.equal(a, b) for a, b in zip(afresh[rank], as_saved[rank]))
+
+
+def test_a_compression_state_of_other_parameter_names_is_refused_and_the_state_kept():
+    saved = _saved()
+
+    def load_renamed(t):
+        _, optimizer = _trained(t, 1)
+        before = copy.deepcopy(optimizer.compression_state_dict())
+        state = copy.deepcopy(saved["compression"][t.rank])
+        residuals = state["grace"]["memory"]["residuals"]
+        state["grace"]["memory"]["residuals"] = {f"encoder.{n}": v for n, v in residuals.items()}
+        with pytest.raises(ValueError, match="parameters this model does not have") as raised:
+            optimizer.load_compression_state_dict(state)
+        return str(raised.value), same_state(optimizer.compression_state_dict(), before)
+
+    for message, kept in run_local(3, load_renamed):
+        assert "'encoder.0.weight'" in message and kept

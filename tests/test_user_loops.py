@@ -216,3 +216,19 @@ def test_momentum_correction_without_masking_keeps_the_users_sgd_inside_the_loop
         assert torch.equal(result["masked"]["params"], ranks[0]["masked"]["params"])
     assert torch.isfinite(plain).all()
     assert not torch.equal(plain, ranks[0]["masked"]["params"])
+
+
+def test_nanogpt_checkpoints_resume_exactly_with_each_ranks_state_and_never_silently_without(
+        tmp_path):
+    """Before, a resume without the hook's state went on afresh in silence, and rank 0's state
+    loaded on every rank trained on with rank 0's residuals counted twice."""
+    ranks = run_ranks("gloo", 2, "user_loops.nanogpt_checkpoints", tmp_path, timeout=240)
+    for r in ranks:
+        assert torch.equal(r["own state"]["params"], r["unbroken"])
+        assert r["own state"]["warnings"] == [] and r["own state"]["error"] is None
+        afresh = r["model+optimizer"]
+        assert afresh["error"] is None and not torch.equal(afresh["params"], r["unbroken"])
+        assert len(afresh["warnings"]) == 1
+        assert "compression state was not restored" in afresh["warnings"][0]
+        assert "another rank's compression state" in r["rank 0's state"]["error"]
+    assert torch.equal(ranks[0]["model+optimizer"]["params"], ranks[1]["model+optimizer"]["params"])

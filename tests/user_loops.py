@@ -415,3 +415,60 @@ def momentum_correction_patterns(transport) -> dict:
     return {"unmasked": _with_params({**MOMENTUM_CORRECTION, "momentum_masking": False},
                                      collectives_between_backward_and_step, transport),
             "masked": _with_params(dict(MOMENTUM_CORRECTION), plain, transport)}
+
+
+def _nanogpt_job(saved: dict | None, load: str, steps: int) -> dict:
+    """One job of nanoGPT's loop under the DDP hook (AdamW): built afresh, resumed from
+    `saved` as `load` says ('model+optimizer', 'own state', "rank 0's state" on every rank),
+    then `steps` steps. Returns what it would checkpoint, the library's warnings, and the
+    error a step raised (it stops there)."""
+    import copy
+    import warnings
+
+    import torch.distributed as dist
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    hook = spardl_grace.CommHookState(dict(PARAMS), ddp)
+    ddp.register_comm_hook(hook, spardl_grace.comm_hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    start = 0
+    if saved is not None:
+        saved = copy.deepcopy(saved)  # as from a file: the optimizer takes its tensors as they are
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start = saved["step"]
+        if load == "own state":
+            hook.load_state_dict(saved["hook"][rank])
+        elif load == "rank 0's state":
+            hook.load_state_dict(saved["hook"][0])
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in list(batches(rank, size, start + steps))[start:]:
+            optimizer.zero_grad(set_to_none=True)
+            try:
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            except Exception as exc:  # the hook's error, as DDP's backward raises it
+                error = str(exc)
+                break
+            optimizer.step()
+    hooks = [None] * size
+    dist.all_gather_object(hooks, hook.state_dict())
+    return {"model": copy.deepcopy(model.state_dict()), "step": start + steps,
+            "optimizer": copy.deepcopy(optimizer.state_dict()), "hook": hooks,
+            "params": flat_params(model), "error": error,
+            "warnings": [str(w.message) for w in caught if "spardl_grace" in str(w.message)]}
+
+
+def nanogpt_checkpoints(_transport) -> dict:
+    """nanoGPT's checkpoint (rank 0 saves the model and the optimizer) under the DDP hook, a
+    new job resuming it three ways, against 6 steps unbroken: without the hook's state it
+    resumes afresh and warns; with each rank's own it continues bit for bit, silently; with
+    rank 0's on every rank (rank 1 would count rank 0's unsent gradient twice) every rank
+    raises at its first step."""
+    first = _nanogpt_job(None, "", 3)
+    return {"unbroken": _nanogpt_job(None, "", 6)["params"],
+            **{load: {k: v for k, v in _nanogpt_job(first, load, 3).items()
+                      if k in ("params", "error", "warnings")}
+               for load in ("model+optimizer", "own state", "rank 0's state")}}

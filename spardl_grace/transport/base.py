@@ -86,6 +86,11 @@ class Transport(ABC):
     #: whether allreduce_async_ queues the all-reduce in the backend and returns at once
     queues_collectives: bool = False
 
+    def global_rank(self, rank: int) -> int:
+        """The job's rank of this transport's rank `rank` (they differ on a subgroup, such as
+        one dimension of an FSDP2 mesh): what messages name, so the user finds the process."""
+        return rank
+
     @abstractmethod
     def sendrecv(
         self, tensor: torch.Tensor, dst: int, src: int, name: str, recv_numel: int | None = None

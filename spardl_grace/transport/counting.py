@@ -53,6 +53,7 @@ class CountingTransport(Transport):
         self.inner = inner
         self.rank = inner.rank
         self.size = inner.size
+        self.global_rank = inner.global_rank  # type: ignore[method-assign]
         self.timeout = inner.timeout
         self.messages: list[Message] = []
         #: point-to-point round trips: 1 per sendrecv whose size the receiver knew, else 2

@@ -113,7 +113,8 @@ class TorchDistTransport(PointToPoint, Transport):
         cuda = torch.cuda.is_available()
         self._device = comm_device(self.backend, cuda, torch.cuda.current_device() if cuda else 0)
 
-    def _global(self, rank: int) -> int:
+    def global_rank(self, rank: int) -> int:
+        """The default group's rank of `rank` in this transport's group."""
         return dist.get_global_rank(self.group, rank)
 
     def _complete(self, issue, name: str) -> None:
@@ -130,7 +131,7 @@ class TorchDistTransport(PointToPoint, Transport):
         # A backend thread may still wait for the failed peer, and the interpreter's exit
         # would join it: end the process at exit instead, with a failure.
         fail_job_at_exit("torch", exit_with_failure)
-        return backend_failure(exc, self.rank, name)
+        return backend_failure(exc, dist.get_rank(), name)
 
     def _p2p(self, ops: P2POps, name: str) -> None:
         """Post `ops` in the given order (callers post receives first; see PointToPoint) and
@@ -139,7 +140,8 @@ class TorchDistTransport(PointToPoint, Transport):
             return
         post = {RECV: dist.irecv, SEND: dist.isend}
         p2p = [
-            dist.P2POp(post[kind], t, self._global(peer), group=self.group) for kind, t, peer in ops
+            dist.P2POp(post[kind], t, self.global_rank(peer), group=self.group)
+            for kind, t, peer in ops
         ]
         self._complete(lambda: dist.batch_isend_irecv(p2p), name)
 
@@ -195,9 +197,8 @@ class TorchDistTransport(PointToPoint, Transport):
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         self._check_peer(root, "root")
         out = self._on_comm(tensor).clone()
-        self._complete(
-            lambda: [dist.broadcast(out, self._global(root), group=self.group, async_op=True)], name
-        )
+        source = self.global_rank(root)
+        self._complete(lambda: [dist.broadcast(out, source, group=self.group, async_op=True)], name)
         return out.to(tensor.device)
 
     def barrier(self, name: str = "barrier") -> None:
