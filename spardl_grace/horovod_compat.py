@@ -70,6 +70,7 @@ def check_compression(compression: str, grace: Synchronizer) -> None:
     not 16-bit on the wire, saying how to build one that is."""
     if compression != "fp16":
         return
+    from .communicators.auto import Auto
     from .compact import CompactCodec
     from .compressors.fp16 import FP16Compressor
 
@@ -77,6 +78,15 @@ def check_compression(compression: str, grace: Synchronizer) -> None:
         return
     if isinstance(getattr(grace, "compressor", None), FP16Compressor):
         return
+    if isinstance(grace, Auto):  # its candidates: SparDL on the compact wire, dense in
+        if "dense" not in grace.candidates.split(","):  # bfloat16, and float32 dense
+            return
+        raise ValueError(
+            "compression=Compression.fp16 asks for 16-bit values on the wire, and 'auto' may "
+            "choose 'dense' (float32): leave it out of 'auto_candidates' (e.g. "
+            "'auto_candidates': ['dense16', 'spardl@0.1', 'spardl@0.03', 'spardl@0.01', "
+            "'spardl@0.003', 'spardl@0.001']), or drop compression="
+        )
     raise ValueError(
         "compression=Compression.fp16 asks for 16-bit values on the wire, but this "
         f"communicator ({type(grace).__name__}) sends full-precision values: build it with "

@@ -60,6 +60,8 @@ def test_gradient_predivide_factor_splits_the_average_as_horovod_does():
     ({"compression": "topk"}, "Compression.none or Compression.fp16"),
     ({"compression": hvd.Compression.fp16, "params": {**SPARDL, "wire": "exact"}},
      "'wire': 'compact'"),
+    ({"compression": hvd.Compression.fp16, "params": {"communicator": "auto"}},
+     "leave it out of 'auto_candidates'"),
     ({"process_set": hvd.ProcessSet([0])}, "only the global process set"),
     ({"groups": 0}, "groups should be a positive integer"),
     ({"groups": [[torch.zeros(3)]]}, "not a parameter of the optimizer"),
@@ -93,6 +95,18 @@ def test_fp16_compression_sends_16_bit_values_on_the_compact_wire():
         return sent["compact"] < 0.8 * sent["exact"]
 
     assert all(run_local(2, fn))
+
+
+def test_fp16_compression_with_auto_whose_candidates_all_send_16_bit_values():
+    """Horovod's MNIST example turns fp16 on: 'auto' refused it, advising a 'wire' that 'auto'
+    refuses too; without float32 dense among its candidates every choice sends 16-bit values."""
+    candidates = ["dense16", "spardl@0.1", "spardl@0.01"]
+
+    def fn(t):
+        return len(_grads_after(t, {"communicator": "auto", "auto_candidates": candidates},
+                                compression=hvd.Compression.fp16))
+
+    assert run_local(2, fn) == [4, 4]
 
 
 def test_fp16_compression_with_graces_fp16_compressor():

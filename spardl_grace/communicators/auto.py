@@ -573,9 +573,11 @@ class Auto(Synchronizer):
             return f"auto: measuring ({self._steps} of {self.measure_steps} dense steps)"
         p = self._plan
         steps = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in p["predicted_step_s"].items())
+        rate = p["link_gbit_per_s"]
+        link = "too fast for the probe to time" if math.isinf(rate) else f"{rate:.3g} Gbit/s"
         return (
             f"auto: chose {p['choice']} at step {p['step']} (plan {p['replans'] + 1}); "
-            f"predicted steps: {steps}; link {p['link_gbit_per_s']:.3g} Gbit/s, "
+            f"predicted steps: {steps}; link {link}, "
             f"{p['p2p_alpha_s'] * 1e6:.0f} us a message; compute {p['compute_s'] * 1e3:.1f} ms"
         )
 

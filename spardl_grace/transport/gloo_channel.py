@@ -181,7 +181,10 @@ def open_gloo_channel(transport: Transport, label: str) -> GlooChannel | None:
             warnings.warn(
                 f"spardl_grace: no gloo channel beside the launcher "
                 f"({reason or 'another rank could not join'}); point-to-point messages go "
-                "through the launcher's own collectives, which cost more per message",
+                "through the launcher's own collectives, which cost more per message; under "
+                "Horovod, give your own ops between backward() and step() a name "
+                "(hvd.allreduce(t, name=...)), since an unnamed one can meet the library's "
+                "and wait without end",
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -27,11 +27,21 @@ RECV, SEND = "recv", "send"
 P2POps = list[tuple[str, torch.Tensor, int]]
 
 
+#: what a timeout on the library's channel most often means
+TIMED_OUT_BECAUSE = (
+    "a peer stopped taking part: it died or hangs, or it left the training loop before the "
+    "others (every rank must take the same steps: with uneven data, hvd.join() cannot stand "
+    "in for the library's own channel)"
+)
+
+
 def backend_failure(exc: RuntimeError, rank: int, name: str) -> TransportError:
-    """A backend's error as TransportTimeout (a timeout) or TransportError."""
+    """A backend's error as TransportTimeout (a timeout, saying what it most often means) or
+    TransportError; `rank`: the job's rank of the process that saw it."""
     msg = str(exc)
-    kind = TransportTimeout if "imeout" in msg or "imed out" in msg else TransportError
-    return kind(f"rank {rank}: '{name}' failed: {msg}")
+    if "imeout" in msg or "imed out" in msg:
+        return TransportTimeout(f"rank {rank}: '{name}' failed: {msg}. {TIMED_OUT_BECAUSE}")
+    return TransportError(f"rank {rank}: '{name}' failed: {msg}")
 
 
 class PointToPoint:
