@@ -164,16 +164,23 @@ def tables_without_provenance(markdown: str, root: Path = ROOT) -> list[str]:
     return problems
 
 
-GENERATED = {"<!-- generated: parameters -->": parameters_table,
-             "<!-- generated: algorithms -->": algorithms_table}
+GENERATED = {"parameters": parameters_table, "algorithms": algorithms_table}
+#: a generated table's place on a page: the table lies between its two markers, in the file
+#: as committed (read on GitHub as it is) and as built (made afresh from the registry)
+GENERATED_BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n).*?(<!-- end generated -->)", re.S)
+
+
+def fill_generated(markdown: str) -> str:
+    """`markdown` with each generated table between its markers made afresh."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return GENERATED_BLOCK.sub(
+        lambda m: f"{m.group(1)}\n{GENERATED[m.group(2)]()}\n\n{m.group(3)}", markdown
+    )
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    for marker, table in GENERATED.items():
-        if marker in markdown:
-            markdown = markdown.replace(marker, table())
+    markdown = fill_generated(markdown)
     if page.file.src_uri.startswith("results/"):
         for problem in tables_without_provenance(markdown):
             log.warning("%s: %s", page.file.src_uri, problem)
@@ -186,3 +193,10 @@ def on_files(files: Files, config) -> Files:
             rel = png.relative_to(ROOT).as_posix()
             files.append(File.generated(config, f"assets/{rel}", abs_src_path=str(png)))
     return files
+
+
+if __name__ == "__main__":  # python docs/hooks.py: write the generated tables into the pages
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        text = page.read_text()
+        if GENERATED_BLOCK.search(text):
+            page.write_text(fill_generated(text))

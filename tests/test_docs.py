@@ -56,6 +56,17 @@ def test_the_parameter_and_algorithm_tables_are_generated_from_the_registry(site
         assert algorithm.doc in page, algorithm.name
 
 
+def test_the_generated_tables_in_the_pages_as_committed_are_current():
+    """A page read as a file (on GitHub, in an editor) shows the tables the site builds;
+    `python docs/hooks.py` writes them after the registry changes."""
+    hooks = _hooks()
+    pages = [p for p in (ROOT / "docs").rglob("*.md") if hooks.GENERATED_BLOCK.search(p.read_text())]
+    assert pages
+    for page in pages:
+        assert hooks.fill_generated(page.read_text()) == page.read_text(), (
+            f"{page.relative_to(ROOT)}: run python docs/hooks.py")
+
+
 def test_the_library_has_no_public_object_without_a_docstring():
     hooks = _hooks()
     assert hooks.missing_docstrings(hooks.load()) == []
