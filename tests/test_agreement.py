@@ -171,7 +171,7 @@ def test_a_disagreement_names_the_jobs_ranks_on_a_subgroup():
     def fn(t):
         t.global_rank = lambda r: 2 + r
         with pytest.raises(ValueError) as raised:
-            agree(t, "a setting", {"density": 0.01 * (1 + t.rank)})
+            agree(CountingTransport(t), "a setting", {"density": 0.01 * (1 + t.rank)})
         return str(raised.value)
 
     for message in run_local(2, fn):
