@@ -54,6 +54,27 @@ def _accelerate(ranks: list[dict]) -> bool:
         "missing: ranks [1]" in r["main_only"] for r in ranks)
 
 
+def _nanogpt_checkpoints(ranks: list[dict]) -> bool:
+    return all(
+        torch.equal(r["own state"]["params"], r["unbroken"])
+        and not r["own state"]["warnings"]
+        and len(r["model+optimizer"]["warnings"]) == 1
+        and "another rank's compression state" in (r["rank 0's state"]["error"] or "")
+        for r in ranks
+    )
+
+
+def _torchtitan_user_patterns(ranks: list[dict]) -> bool:
+    return all(
+        all(torch.equal(h, n) for who in ("every rank", "rank 0")
+            for h, n in zip(got[who]["hybrid"], got[who]["native"]))
+        and len(got["resumed, ShardSync left out"]) == 1
+        and not got["resumed, ShardSync kept"]
+        and "saved under another sharding" in got.get("other layout", "")
+        for got in ranks
+    )
+
+
 @dataclass(frozen=True)
 class Job:
     """A scenario (MODULE.FUNCTION of tests/), its ranks, the launchers it runs under and
@@ -77,6 +98,10 @@ JOBS = {
         "trainer_scenarios.accelerate_resume", 2, ("gloo",), _accelerate),
     "lightning_checkpoint_resume": Job(
         "trainer_scenarios.lightning_resume", 2, ("gloo",), _resumed_bit_for_bit),
+    "nanogpt_checkpoints": Job(
+        "user_loops.nanogpt_checkpoints", 2, ("gloo",), _nanogpt_checkpoints),
+    "fsdp2_torchtitan_user_patterns": Job(
+        "fsdp_scenarios.user_patterns", 4, ("gloo",), _torchtitan_user_patterns),
 }
 LAUNCHERS = ALL
 
