@@ -320,8 +320,10 @@ def _fully_shard_units(
     modules: dict[str, Any] = {**{names[id(unit)]: unit for unit in chosen}, "<root>": model}
     for module in modules.values():
         # FSDP leaves a parameter without a gradient out of its reduce-scatter, which would
-        # change the unit's shard, and so its residual's layout, from step to step.
-        module.set_reduce_scatter_unused_params(True, recurse=False)
+        # change the unit's shard, and so its residual's layout, from step to step (an FSDP2
+        # without the setting: check_layout says so where it happens).
+        if hasattr(module, "set_reduce_scatter_unused_params"):
+            module.set_reduce_scatter_unused_params(True, recurse=False)
     return modules
 
 

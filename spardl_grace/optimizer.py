@@ -40,7 +40,7 @@ from .horovod_compat import (
 )
 from .memories.residual import ResidualMemory
 from .momentum import momentum_handed_over, taken_over_groups, uses_nesterov
-from .step_hooks import inherit_steps
+from .step_hooks import inherit_steps, inner_step
 from .sync import FIRST_STEP_TIMEOUT_S, Bucket, GradientSync, stable_name
 
 
@@ -99,11 +99,11 @@ def _named(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
 ):
-    """(name, parameter) for every parameter of the optimizer that requires a gradient, in
-    the optimizer's order; Horovod's checks on named_parameters."""
+    """(name, parameter) for every parameter of the optimizer, in the optimizer's order;
+    Horovod's checks on named_parameters."""
     in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
-        return [(f"noname.{i}", p) for i, p in enumerate(in_optimizer) if p.requires_grad]
+        return [(f"noname.{i}", p) for i, p in enumerate(in_optimizer)]
     named = list(named_parameters)
     if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named):
         raise ValueError(
@@ -122,7 +122,7 @@ def _named(
             f"positions {missing}: pass model.named_parameters() of the model whose "
             "parameters the optimizer holds"
         )
-    return [(by_param[p], p) for p in in_optimizer if p.requires_grad]
+    return [(by_param[p], p) for p in in_optimizer]
 
 
 SYNCHRONIZED_TWICE = (
@@ -377,7 +377,10 @@ class _DistributedOptimizer:
                     loss = closure()
             frozen_step(cast(torch.optim.Optimizer, self))
             return loss
-        with momentum_handed_over(cast(torch.optim.Optimizer, self), self._momentum_correction):
+        with (
+            momentum_handed_over(cast(torch.optim.Optimizer, self), self._momentum_correction),
+            inner_step(cast(torch.optim.Optimizer, self)),
+        ):
             # The wrapped optimizer's class follows this mixin in the MRO (see
             # DistributedOptimizer).
             return super().step(closure)  # type: ignore[misc]
@@ -615,7 +618,8 @@ def DistributedOptimizer(
         memory.nesterov = uses_nesterov(taken_over_groups(optimizer, mc))
     if grace.adam_freeze_step:
         check_optimizer(optimizer, grace.adam_freeze_step)
-    named = _named(optimizer, named_parameters)
+    every = _named(optimizer, named_parameters)  # frozen ones too: their residuals may resume
+    named = [(n, p) for n, p in every if p.requires_grad]
     explicit = parameter_groups(groups, num_groups, [p for _, p in named])
     cls: type[_DistributedOptimizer] = type(
         optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {}
@@ -627,7 +631,7 @@ def DistributedOptimizer(
         wrapped._patch_step_function()
     wrapped._setup(
         grace,
-        named,
+        every,
         backward_passes_per_step,
         plan_buckets(named, bucket_cap_mb, explicit) if named else [],
         dense_warmup_steps,

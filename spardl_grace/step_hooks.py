@@ -18,7 +18,8 @@ process (steps_taken), so a state loaded from a checkpoint can be told from one 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -44,8 +45,24 @@ _UNDO: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Callable[[], None]]
 _STEPS_TAKEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 
+#: optimizers inside a step of their own class's that a wrapping step calls (a
+#: DistributedOptimizer's step calls its optimizer class's, and torch hooks both)
+_INNER: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
 def _count(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    _STEPS_TAKEN[optimizer] = _STEPS_TAKEN.get(optimizer, 0) + 1
+    if optimizer not in _INNER:
+        _STEPS_TAKEN[optimizer] = _STEPS_TAKEN.get(optimizer, 0) + 1
+
+
+@contextmanager
+def inner_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Within the block, a step of `optimizer` is part of an outer one, counted once."""
+    _INNER.add(optimizer)
+    try:
+        yield
+    finally:
+        _INNER.discard(optimizer)
 
 
 def steps_taken(optimizer: torch.optim.Optimizer) -> int:

@@ -467,18 +467,29 @@ class GradientSync:
         """Restore a state_dict() of the same world size (ValueError otherwise). Residuals saved
         under a wrapped module's names (a compiled model's) are taken under stable_name(); a
         residual of a parameter not among parameter_names raises ValueError (the model's
-        parameters were renamed since the save: it would never be sent), leaving the state
-        as it was."""
+        parameters were renamed since the save: it would never be sent); whatever raises
+        leaves the state as it was. A state saved before residuals were keyed so brings its
+        residuals over; its step counters and schedules, keyed by the buckets' old names,
+        start afresh."""
         before = (self.grace.state_dict(), self.grace.state_saved_by, self.grace.restored)
-        self.grace.load_state_dict(state["grace"])
+        try:
+            self.grace.load_state_dict(state["grace"])
+            self._check_stored_names()
+        except BaseException:
+            self.grace.load_state_dict(before[0])
+            self.grace.state_saved_by, self.grace.restored = before[1:]
+            raise
+        self.steps = int(state["steps"])
+
+    def _check_stored_names(self) -> None:
+        """Take the memory's entries saved under a wrapped module's names under stable_name();
+        ValueError for an entry of a parameter not among parameter_names."""
         stores = getattr(self.grace.memory, "stores", None)
         for store in stores() if callable(stores) else []:
             for name in [n for n in store if stable_name(n) != n]:
                 store[stable_name(name)] = store.pop(name)
             unknown = sorted(set(store) - self.parameter_names) if self.parameter_names else []
             if unknown:
-                self.grace.load_state_dict(before[0])
-                self.grace.state_saved_by, self.grace.restored = before[1:]
                 raise ValueError(
                     f"the compression state holds residuals of {len(unknown)} parameters this "
                     f"model does not have ({', '.join(map(repr, unknown[:4]))}"
@@ -486,7 +497,6 @@ class GradientSync:
                     "parameters had other names, and they would never be sent. Resume the "
                     "model it was saved from, or leave the compression state out"
                 )
-        self.steps = int(state["steps"])
 
     def shared_state_dict(self) -> dict[str, Any]:
         """state_dict() without what belongs to this rank alone (Synchronizer.shared_state_dict):

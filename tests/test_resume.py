@@ -554,44 +554,77 @@ def _trained_step(model, optimizer, rank: int) -> None:
 def test_residuals_are_keyed_by_names_without_the_wrappers_of_compile_or_checkpointing():
     """A compiled model names its parameters '_orig_mod.NAME', a checkpoint-wrapped module
     'NAME._checkpoint_wrapped_module.weight'; torch's own state dicts leave those segments
-    out, and so do the residuals now: what a compiled model's optimizer saves is keyed by the
-    plain names, and a state saved with the old prefixed names resumes on the plain ones bit
-    for bit (before, it resumed afresh in silence)."""
+    out, and so does the compression state now: saved from a compiled model's optimizer, it
+    resumes an uncompiled one bit for bit, the density warm-up's position and SparDL's
+    schedule included (before, none of it carried over, in silence). A state saved before,
+    under the prefixed names, brings its residuals over."""
     from spardl_grace.sync import stable_name
     assert stable_name("_orig_mod.blocks.0._checkpoint_wrapped_module.attn.weight") == (
         "blocks.0.attn.weight")
+    params = {**PARAMS, "compress_ratio": 0.05, "min_entries": 0, "density_warmup_steps": 8}
 
-    def compiled_names(t):
+    def run(t, prefix: str, steps: range, state=None):
         model = _model(0)
+        if state is not None:
+            model.load_state_dict(state["model"])
         optimizer = spardl_grace.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), grace_from_params(PARAMS, transport=t),
-            named_parameters=[(f"_orig_mod.{n}", p) for n, p in model.named_parameters()])
-        _trained_step(model, optimizer, t.rank)
-        return sorted(optimizer.compression_state_dict()["grace"]["memory"]["residuals"])
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            grace_from_params(params, transport=t),
+            named_parameters=[(prefix + n, p) for n, p in model.named_parameters()])
+        if state is not None:
+            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_compression_state_dict(state["compression"])
+        for step in steps:
+            optimizer.zero_grad()
+            _backward(model, t.rank, step)
+            optimizer.step()
+        return {"model": copy.deepcopy(model.state_dict()),
+                "optimizer": copy.deepcopy(optimizer.state_dict()),
+                "compression": copy.deepcopy(optimizer.compression_state_dict())}
 
-    assert run_local(2, compiled_names) == [["0.weight", "2.weight"]] * 2
+    def compiled_then_not(t):
+        first = run(t, "_orig_mod.", range(3))
+        residuals = sorted(first["compression"]["grace"]["memory"]["residuals"])
+        resumed, unbroken = run(t, "", range(3, 6), first), run(t, "", range(6))
+        afresh = run(t, "", range(3, 6), {**first, "compression": run(t, "", range(0))["compression"]})
+        return residuals, resumed["model"], unbroken["model"], afresh["model"]
+
+    for residuals, resumed, unbroken, afresh in run_local(3, compiled_then_not):
+        assert residuals == ["0.weight", "2.weight"]
+        assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
+        assert not all(torch.equal(afresh[k], unbroken[k]) for k in unbroken)
     saved = _saved()
 
-    def resumed(t, rename):
-        model, optimizer = _trained(t, 0)
-        optimizer.load_state_dict(copy.deepcopy(saved["optimizer"][t.rank]))
-        if rename is not None:
-            state = copy.deepcopy(saved["compression"][t.rank])
-            for key in ("residuals", "velocities"):
-                store = state["grace"]["memory"][key]
-                state["grace"]["memory"][key] = {rename(n): v for n, v in store.items()}
-            optimizer.load_compression_state_dict(state)
-        optimizer.zero_grad()
-        _backward(model, t.rank, 3)
-        optimizer.step()
-        return [p.detach().clone() for p in model.parameters()]
+    def old_names(t):
+        _, optimizer = _trained(t, 0)
+        state = copy.deepcopy(saved["compression"][t.rank])
+        residuals = state["grace"]["memory"]["residuals"]
+        state["grace"]["memory"]["residuals"] = {f"_orig_mod.{n}": v for n, v in residuals.items()}
+        optimizer.load_compression_state_dict(state)
+        loaded = optimizer.compression_state_dict()["grace"]["memory"]["residuals"]
+        return all(torch.equal(loaded[n], v) for n, v in residuals.items())
 
-    prefixed = run_local(3, resumed, lambda n: f"_orig_mod.{n}")
-    as_saved = run_local(3, resumed, lambda n: n)
-    afresh = run_local(3, resumed, None)  # the residuals matter: without them, other bits
-    for rank in range(3):
-        assert all(torch.equal(a, b) for a, b in zip(prefixed[rank], as_saved[rank]))
-        assert not all(torch.equal(a, b) for a, b in zip(afresh[rank], as_saved[rank]))
+    assert all(run_local(3, old_names))
+
+
+def test_a_frozen_parameters_residual_resumes_and_each_step_counts_once():
+    """A layer frozen after the save (staged fine-tuning) kept a residual the resume refused
+    as a parameter 'this model does not have'; and a DistributedOptimizer's step, which calls
+    its optimizer class's, counted twice toward the steps that explain its state."""
+    from spardl_grace.step_hooks import steps_taken
+    saved = _saved()
+
+    def frozen(t):
+        model = _model(0)
+        model[0].weight.requires_grad_(False)
+        optimizer = spardl_grace.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), grace_from_params(PARAMS, transport=t),
+            named_parameters=model.named_parameters())
+        optimizer.load_compression_state_dict(copy.deepcopy(saved["compression"][t.rank]))
+        _, counted = _trained(t, 3)
+        return steps_taken(counted)
+
+    assert run_local(3, frozen) == [3] * 3
 
 
 def test_a_compression_state_of_other_parameter_names_is_refused_and_the_state_kept():
