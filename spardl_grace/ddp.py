@@ -120,10 +120,9 @@ class CommHookState:
         self.optimizer_steps = 0
         self._at_last_sync: tuple[int, int] | None = None
         self._warned_unseen_step = False
-        #: a resume without this state was reported already (by the trainers' checkpoint
-        #: load), so the first optimizer step does not warn again
-        self.reported_fresh_state = False
-        self._resume_checked = False
+        #: whether a resume without this state was checked for (at the first optimizer step
+        #: after a synchronisation) or already reported (by the trainers' checkpoint load)
+        self.resume_checked = False
         watch(inner, self, "the DDP hook")
 
     def _build(self, grace: Synchronizer) -> GradientSync:
@@ -200,11 +199,10 @@ class CommHookState:
         parameters: at the first after a synchronisation, warns when the optimizer was resumed
         without this state (a step before any, as torch.distributed.checkpoint takes to create
         the optimizer's state, tells nothing)."""
-        if self._resume_checked or not self.synchronized_steps:
+        if self.resume_checked or not self.synchronized_steps:
             return
-        self._resume_checked = True
-        if not self.reported_fresh_state:
-            warn_if_resumed_afresh(optimizer, self.sync.grace.restored, "hook_state.state_dict()")
+        self.resume_checked = True
+        warn_if_resumed_afresh(optimizer, self.sync.grace.restored, "hook_state.state_dict()")
 
     def optimizer_stepped(self) -> None:
         """Called by spardl_grace.step_hooks after each step of an optimizer that holds these

@@ -139,7 +139,7 @@ class GradientCompression(pl.Callback):
         load_state_dict, and the residuals start afresh)."""
         if self.state_key not in checkpoint.get("callbacks", {}):
             if self.state is not None:
-                self.state.reported_fresh_state = True
+                self.state.resume_checked = True
             warnings.warn(
                 "spardl_grace: the checkpoint holds no compression state of this callback; "
                 "the residuals start afresh (a checkpoint written without it)",

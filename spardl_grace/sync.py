@@ -105,6 +105,13 @@ class _Outcome:
     keep = True
 
 
+def stores_of(memory: Memory) -> list[dict[str, torch.Tensor]]:
+    """The memory's per-name stores (Memory.stores); none for a GRACE user's own memory
+    without stores(), whose entries stay under the bucket's key."""
+    stores = getattr(memory, "stores", None)
+    return stores() if callable(stores) else []
+
+
 @contextmanager
 def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
     """Within the block, the memory's stores hold the bucket's entries under bucket.key;
@@ -113,9 +120,7 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
     sets `keep = False` on what it is given, the entries from before the block are put back:
     memories replace their entries and never change them in place, so those are intact."""
     saved = []
-    # A GRACE user's own memory has no stores(): its entries stay under the bucket's key.
-    stores = getattr(memory, "stores", None)
-    for store in stores() if callable(stores) else []:
+    for store in stores_of(memory):
         parts = [store.pop(name, None) for name in bucket.names]
         saved.append((store, parts))
         present = next((p for p in parts if p is not None), None)
@@ -484,8 +489,7 @@ class GradientSync:
     def _check_stored_names(self) -> None:
         """Take the memory's entries saved under a wrapped module's names under stable_name();
         ValueError for an entry of a parameter not among parameter_names."""
-        stores = getattr(self.grace.memory, "stores", None)
-        for store in stores() if callable(stores) else []:
+        for store in stores_of(self.grace.memory):
             for name in [n for n in store if stable_name(n) != n]:
                 store[stable_name(name)] = store.pop(name)
             unknown = sorted(set(store) - self.parameter_names) if self.parameter_names else []

@@ -134,7 +134,7 @@ class PerRankFiles:
         missing = [r for r, f in enumerate(found) if not int(f.item())]
         if len(missing) == transport.size:
             if not _load_legacy(self.state, Path(folder)):
-                self.state.reported_fresh_state = True
+                self.state.resume_checked = True
                 warnings.warn(
                     f"spardl_grace: {folder} holds no compression state; the residuals start "
                     "afresh (a checkpoint written without the hook, or by another trainer)",
