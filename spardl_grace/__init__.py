@@ -16,6 +16,7 @@ from . import fsdp, grace_dl_compat
 from .api import Communicator, Compressor, Memory
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .ddp import CommHookState, comm_hook
+from .join import join_uneven_inputs
 from .optimizer import DistributedOptimizer
 from .registry import grace_from_params
 from .version import __version__
@@ -34,6 +35,7 @@ __all__ = [
     "comm_hook",
     "fsdp",
     "grace_from_params",
+    "join_uneven_inputs",
 ]
 
 #: names the top level held before 0.3, now in their submodules: name -> submodule

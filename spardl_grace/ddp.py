@@ -249,8 +249,17 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         previous_finite = state.sync.last_step_finite
         state.sync.end_step()
         settle(future)  # its copy back into DDP's layout too, before DDP's own collectives
-        state.check_optimizer_stepped(previous_finite)
+        if _inside_backward():
+            state.check_optimizer_stepped(previous_finite)
     return future
+
+
+def _inside_backward() -> bool:
+    """Whether the hook runs inside a backward pass, as DDP's reducer calls it. Outside one,
+    DDP's Join is matching the other ranks' step on a rank whose data ran out (DDP's
+    _match_all_reduce_for_bwd_pass hands the hook zero buckets): that rank takes no optimizer
+    step, and the zeros it sends are its gradient, as DDP's Join means them."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _in_ddp_layout(

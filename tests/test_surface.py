@@ -17,7 +17,7 @@ def test_the_top_level_is_what_a_user_calls():
     assert sorted(spardl_grace.__all__) == sorted([
         "grace_from_params", "DistributedOptimizer", "CommHookState", "comm_hook",
         "broadcast_parameters", "broadcast_optimizer_state", "Compressor", "Memory",
-        "Communicator", "fsdp", "__version__"])
+        "Communicator", "fsdp", "join_uneven_inputs", "__version__"])
     for name in spardl_grace.__all__:
         assert hasattr(spardl_grace, name)
 

@@ -30,8 +30,9 @@ P2POps = list[tuple[str, torch.Tensor, int]]
 #: what a timeout on the library's channel most often means
 TIMED_OUT_BECAUSE = (
     "a peer stopped taking part: it died or hangs, or it left the training loop before the "
-    "others (every rank must take the same steps: with uneven data, hvd.join() cannot stand "
-    "in for the library's own channel)"
+    "others (every rank must take the same steps: with uneven data, wrap the loop in "
+    "spardl_grace.join_uneven_inputs(optimizer), or torch's Join([ddp_model]) under the DDP "
+    "hook; hvd.join() cannot stand in for the library's own channel)"
 )
 
 

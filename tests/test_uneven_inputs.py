@@ -1,0 +1,165 @@
+"""Ranks whose data run out at different steps: spardl_grace.join_uneven_inputs under every
+launcher and in-process, and torch's Join with the DDP hook. A rank that ran out must send
+exactly what a rank with zero gradients sends, and every rank must end each block with the same
+parameters and optimizer state (tests/uneven_scenarios.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import uneven_scenarios as us
+from conftest import run_ranks
+
+import spardl_grace
+from spardl_grace.transport import run_local
+
+
+def _same(a, b) -> bool:
+    """Equal values, tensors bit for bit, through nested dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _check(results: list[dict], residuals: bool = True) -> None:
+    size = len(results)
+    for rank, r in enumerate(results):
+        joined, padded = r["joined"], r["padded"]
+        assert joined["joins"] == [(0, 2 * rank), (size - 1, 2 * (size - 1 - rank))]
+        # a rank that ran out sent what zero gradients send: the same residuals and steps
+        assert _same(joined["compression"], padded["compression"])
+        assert _same(joined["params"], padded["params"])
+        assert _same(joined["optimizer"], padded["optimizer"])
+        # every rank holds the last rank's model and AdamW state (its step count included)
+        assert _same(joined["params"], results[0]["joined"]["params"])
+        assert _same(joined["optimizer"], results[0]["joined"]["optimizer"])
+    if residuals:  # they stay each rank's own
+        own = [r["joined"]["compression"]["grace"] for r in results]
+        assert not _same(own[0], own[1])
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi", "horovod"])
+def test_ranks_that_run_out_send_zero_gradients_and_end_with_the_last_ranks_model(
+        launcher, tmp_path):
+    _check(run_ranks(launcher, 3, "uneven_scenarios.joined_and_padded", tmp_path, timeout=300))
+
+
+@pytest.mark.parametrize("params", [
+    us.PARAMS,
+    {"communicator": "dense"},
+    {**us.PARAMS, "communicator": "oktopk", "oktopk_threshold_interval": 2},
+    {**us.PARAMS, "density_warmup_steps": 3},
+], ids=["spardl", "dense", "oktopk", "density-warmup"])
+def test_the_joined_steps_equal_zero_gradient_steps_for_each_communicator(params):
+    def both(transport):
+        return {"joined": us.joined(transport, params),
+                "padded": us.padded_with_zero_gradients(transport, params)}
+
+    _check(run_local(4, both), residuals=params["communicator"] != "dense")
+
+
+def test_exchanging_updates_every_second_step_ends_with_identical_replicas():
+    """'exchange': 'update' communicates only every 'exchange_period' steps: a rank that ran
+    out waits for those alone, and the block ends with the last rank's outer state too."""
+    params = {**us.PARAMS, "exchange": "update", "exchange_period": 2, "outer_momentum": 0.5}
+    results = run_local(3, us.joined, params)
+    for rank, r in enumerate(results):
+        assert r["joins"][0] == (0, rank)  # 2 * rank steps, every second one an exchange
+        assert _same(r["params"], results[0]["params"])
+        assert _same(r["compression"]["outer"], results[0]["compression"]["outer"])
+
+
+def test_a_rank_without_any_batch_takes_part_and_ends_with_the_model():
+    def fn(transport):
+        model, opt = us._optimizer(transport, us.PARAMS)
+        with spardl_grace.join_uneven_inputs(opt) as block:
+            for x, y in us.batches(transport.rank, transport.size, 3 * (transport.rank > 0)):
+                us._step(model, opt, x, y)
+        return block.last_rank, block.steps_without_data, us.flat_params(model), opt._sync.steps
+
+    results = run_local(3, fn)
+    assert [r[:2] for r in results] == [(2, 3), (2, 0), (2, 0)]
+    assert all(torch.equal(r[2], results[2][2]) and r[3] == 3 for r in results)
+
+
+def test_bad_uses_are_refused_with_what_to_do():
+    model = us.mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"DistributedOptimizer.*torch.distributed.algorithms.Join"):
+        spardl_grace.join_uneven_inputs(sgd)
+
+    def fn(transport):
+        _, opt = us._optimizer(transport, us.PARAMS)
+        errors = []
+        with spardl_grace.join_uneven_inputs(opt):
+            try:
+                with spardl_grace.join_uneven_inputs(opt):
+                    pass
+            except ValueError as exc:
+                errors.append(str(exc))
+        frozen = us.mlp()
+        for p in frozen.parameters():
+            p.requires_grad_(False)
+        none = spardl_grace.DistributedOptimizer(
+            torch.optim.SGD(frozen.parameters(), lr=0.1),
+            spardl_grace.grace_from_params(dict(us.PARAMS), transport),
+            named_parameters=frozen.named_parameters())
+        try:
+            spardl_grace.join_uneven_inputs(none)
+        except ValueError as exc:
+            errors.append(str(exc))
+        return errors
+
+    for errors in run_local(2, fn):
+        assert "already inside" in errors[0]
+        assert "no parameter that needs a gradient" in errors[1]
+
+
+def test_an_error_inside_the_block_leaves_it_without_waiting_for_the_others():
+    """The rank that raised does not step on as a rank without data (it would train on);
+    the others, still stepping, fail with the transport's timeout, as without the block."""
+    def fn(transport):
+        model, opt = us._optimizer(transport, us.PARAMS)
+        try:
+            with spardl_grace.join_uneven_inputs(opt):
+                for step, (x, y) in enumerate(us.batches(transport.rank, transport.size, 3)):
+                    if transport.rank == 1 and step == 1:
+                        raise KeyError("the user's bug")
+                    us._step(model, opt, x, y)
+        except KeyError:
+            return "raised", opt._joining
+        except spardl_grace.transport.TransportError as exc:
+            return type(exc).__name__, opt._joining
+        return "finished", opt._joining
+
+    results = run_local(2, fn, timeout=5)
+    assert results[1] == ("raised", False)
+    assert results[0][0] in ("TransportTimeout", "PeerFailure")
+
+
+def test_torchs_join_with_the_ddp_hook_sends_zero_buckets_and_needs_no_optimizer_step(tmp_path):
+    """DDP's Join runs the hook with zero buckets on the ranks that ran out, outside backward
+    and with no optimizer step: the hook raised 'synchronised the gradients twice' there."""
+    results = run_ranks("gloo", 3, "uneven_scenarios.ddp_join", tmp_path, timeout=300)
+    reference = results[0]["padded"]
+    for r in results:
+        joined = r["joined"]
+        assert joined["warnings"] == [] and joined["steps"] == reference["steps"] == 6
+        assert _same(joined["params"], reference["params"])
+        assert _same(joined["momentum"], reference["momentum"])
+
+
+
+def test_auto_plans_alike_on_every_rank_while_some_ranks_have_no_data():
+    """'auto' measures its first steps and takes rank 0's plan: rank 0 runs out first in the
+    second epoch, and its steps without data are measured too; the ranks still plan alike."""
+    params = {"compressor": "topk", "memory": "global_residual", "communicator": "auto",
+              "auto_measure_steps": 2, "min_entries": 0}
+    results = run_local(3, us.joined, params)
+    for r in results:
+        assert _same(r["params"], results[0]["params"])
+        assert _same(r["optimizer"], results[0]["optimizer"])
+        assert r["compression"]["steps"] == results[0]["compression"]["steps"] == 12

@@ -1,0 +1,122 @@
+"""Ranks whose data run out at different steps, run in-process (run_local) and under real
+launchers (tests/mp_worker.py with 'uneven_scenarios.NAME').
+
+Each scenario trains two epochs: in the first, rank r has 2 * (P - r) batches (rank 0 the
+most), in the second 2 * (r + 1) (the last rank the most), so each epoch ends on another rank.
+The reference pads each rank's loop to the longest with steps that synchronise zero gradients
+and take no optimizer step, then gives every rank the parameters and optimizer state of the
+rank with the most batches: what a rank that ran out contributes, written out by hand."""
+from __future__ import annotations
+
+import torch
+from training_scenarios import batches, flat_params, mlp
+
+import spardl_grace
+
+PARAMS = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
+          "compress_ratio": 0.05, "min_entries": 0}
+EPOCHS = 2
+
+
+def batches_in_epoch(epoch: int, rank: int, size: int) -> int:
+    return 2 * (size - rank) if epoch == 0 else 2 * (rank + 1)
+
+
+def _optimizer(transport, params: dict):
+    model = mlp()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    grc = spardl_grace.grace_from_params(dict(params), transport)
+    # Several buckets: a rank that ran out sends each of them, in order.
+    opt = spardl_grace.DistributedOptimizer(adamw, grc, named_parameters=model.named_parameters(),
+                                            bucket_cap_mb=0.02)
+    return model, opt
+
+
+def _step(model, opt, x, y) -> None:
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _outcome(model, opt, **more) -> dict:
+    return {"params": flat_params(model), "optimizer": opt.state_dict()["state"],
+            "compression": opt.compression_state_dict(), **more}
+
+
+def joined(transport, params: dict = PARAMS) -> dict:
+    """Each epoch inside spardl_grace.join_uneven_inputs."""
+    model, opt = _optimizer(transport, params)
+    joins = []
+    for epoch in range(EPOCHS):
+        with spardl_grace.join_uneven_inputs(opt) as block:
+            for x, y in batches(transport.rank, transport.size,
+                                batches_in_epoch(epoch, transport.rank, transport.size)):
+                _step(model, opt, x, y)
+        joins.append((block.last_rank, block.steps_without_data))
+    return _outcome(model, opt, joins=joins)
+
+
+def padded_with_zero_gradients(transport, params: dict = PARAMS) -> dict:
+    """The reference (see the module docstring)."""
+    model, opt = _optimizer(transport, params)
+    rank, size = transport.rank, transport.size
+    for epoch in range(EPOCHS):
+        counts = [batches_in_epoch(epoch, r, size) for r in range(size)]
+        for x, y in batches(rank, size, counts[rank]):
+            _step(model, opt, x, y)
+        for _ in range(max(counts) - counts[rank]):
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            opt.synchronize()
+            opt._synchronized = opt._gradients_synchronized = False  # and no step
+        root = counts.index(max(counts))
+        spardl_grace.broadcast_parameters(model.named_parameters(), root, transport)
+        spardl_grace.broadcast_optimizer_state(opt, root, transport)
+    return _outcome(model, opt)
+
+
+def joined_and_padded(transport) -> dict:
+    """Both, one after the other, in one launch."""
+    return {"joined": joined(transport), "padded": padded_with_zero_gradients(transport)}
+
+
+def _ddp_job(padded: bool) -> dict:
+    """DDP with the hook and SGD with momentum, the first epoch's uneven batches, inside
+    torch's Join, or padded with zero-gradient steps (an lr-0 SGD steps them, so the hook sees
+    an optimizer step); the momentum is broadcast from rank 0 afterwards, as the guide says."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = mlp()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
+    state = spardl_grace.CommHookState(dict(PARAMS), ddp)
+    ddp.register_comm_hook(state, spardl_grace.comm_hook)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    counts = [batches_in_epoch(0, r, size) for r in range(size)]
+    data = list(batches(rank, size, counts[rank]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Join([ddp], enable=not padded):
+            for x, y in data:
+                sgd.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                sgd.step()
+            if padded:
+                still = torch.optim.SGD(model.parameters(), lr=0.0)
+                for x, _ in data[:1] * (max(counts) - counts[rank]):
+                    still.zero_grad()
+                    (ddp(x).sum() * 0).backward()
+                    still.step()
+        spardl_grace.broadcast_optimizer_state(sgd, 0)
+    return {"params": flat_params(model), "steps": state.synchronized_steps,
+            "momentum": [s["momentum_buffer"] for s in sgd.state_dict()["state"].values()],
+            "warnings": [str(w.message) for w in caught if "spardl_grace" in str(w.message)]}
+
+
+def ddp_join(_transport) -> dict:
+    """Under torchrun: torch's Join with the hook, and the padded reference."""
+    return {"joined": _ddp_job(padded=False), "padded": _ddp_job(padded=True)}
+
