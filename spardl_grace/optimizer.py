@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -143,6 +144,24 @@ class _BucketSlot:
         self.ready = 0
 
 
+#: id(parameter) -> (the parameter, the DistributedOptimizer whose gradient hook synchronises
+#: it), both weakly (a WeakKeyDictionary would compare tensors with ==, element-wise)
+_SYNCHRONISED_BY: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _synchronised_by(p: torch.Tensor) -> _DistributedOptimizer | None:
+    entry = _SYNCHRONISED_BY.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
+
+
+SUPERSEDED = (
+    "this DistributedOptimizer no longer synchronises: a later DistributedOptimizer was built "
+    "over its parameters and took them over. Step the later one"
+)
+
+
 class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class (see DistributedOptimizer)."""
 
@@ -206,9 +225,42 @@ class _DistributedOptimizer:
         #: inside spardl_grace.join_uneven_inputs: each synchronising step first counts the
         #: ranks that still have data
         self._joining = False
+        self._superseded = False
+        self._take_over_from_earlier()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._slot_of
         ]
+        for p in self._slot_of:
+            _SYNCHRONISED_BY[id(p)] = (weakref.ref(p), weakref.ref(self))
+
+    def _take_over_from_earlier(self) -> None:
+        """Retire the DistributedOptimizers built earlier over any of these parameters (a
+        second wrap of the same optimizer, a notebook cell run again): their gradient hooks go,
+        so each gradient is synchronised once, by this one, and their step() raises. Warns,
+        since their residuals stay with them; ValueError while a step of theirs is under way."""
+        earlier = {
+            id(o): o
+            for p in self._slot_of
+            if (o := _synchronised_by(p)) is not None and not o._superseded
+        }
+        for old in earlier.values():
+            if old._pending:
+                raise ValueError(
+                    "an earlier DistributedOptimizer over these parameters is in a step "
+                    "(backward() ran, step() did not): build the new one between steps"
+                )
+            for hook in old._hooks:
+                hook.remove()
+            old._superseded = True
+            warnings.warn(
+                "spardl_grace: this DistributedOptimizer takes over parameters that an earlier "
+                "one synchronised; the earlier one no longer synchronises (its step() "
+                "raises). Its residuals stay with it: with the same communicator, "
+                "new.load_compression_state_dict(earlier.compression_state_dict()) carries "
+                "them over",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     @property
     def grace(self) -> Synchronizer:
@@ -313,6 +365,8 @@ class _DistributedOptimizer:
             self._passes = dict.fromkeys(self._passes, 0)
             self._synchronized = True
             return
+        if self._superseded:
+            raise RuntimeError(SUPERSEDED)
         with self._launching:
             while len(self._pending) < len(self._slots):
                 self._launch(self._slots[len(self._pending)])
@@ -346,6 +400,8 @@ class _DistributedOptimizer:
         gradient zero, is how Horovod's broadcast_optimizer_state creates the state on the
         ranks that have none while the others wait for it: that step does not synchronise and
         leaves the parameters as they were (see _creates_state)."""
+        if self._superseded:
+            raise RuntimeError(SUPERSEDED)
         if not self._resume_checked and not self._creates_state():
             self._resume_checked = True
             warn_if_resumed_afresh(

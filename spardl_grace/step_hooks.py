@@ -50,9 +50,20 @@ _STEPS_TAKEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.We
 _INNER: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
+#: a wrapper -> the optimizer whose state it shares (inherit_steps): its steps are that one's
+#: too, so a second wrapper built from the same optimizer counts the first one's steps
+_SHARES_STATE_OF: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.optim.Optimizer] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _count(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer not in _INNER:
-        _STEPS_TAKEN[optimizer] = _STEPS_TAKEN.get(optimizer, 0) + 1
+    if optimizer in _INNER:
+        return
+    current: torch.optim.Optimizer | None = optimizer
+    while current is not None:
+        _STEPS_TAKEN[current] = _STEPS_TAKEN.get(current, 0) + 1
+        current = _SHARES_STATE_OF.get(current)
 
 
 @contextmanager
@@ -72,8 +83,10 @@ def steps_taken(optimizer: torch.optim.Optimizer) -> int:
 
 
 def inherit_steps(new: torch.optim.Optimizer, old: torch.optim.Optimizer) -> None:
-    """`new` shares `old`'s state (a wrapper built from it): it counts `old`'s steps too."""
+    """`new` shares `old`'s state (a wrapper built from it): it counts `old`'s steps, and its
+    own steps count for `old` too."""
     _STEPS_TAKEN[new] = steps_taken(old)
+    _SHARES_STATE_OF[new] = old
 
 
 register_optimizer_step_post_hook(_count)

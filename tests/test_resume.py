@@ -507,7 +507,8 @@ def test_an_optimizer_resumed_without_its_compression_state_warns_once_per_rank(
     """The optimizer's state came back and the compression state did not: the residuals start
     afresh, which used to pass in silence. Resumed with both, started fresh, or after
     Horovod's state-creating step on zero gradients (a fresh run's hvd.broadcast_optimizer_state),
-    nothing is said."""
+    or with the optimizer wrapped anew after steps through an earlier wrapper (whose steps
+    were the base optimizer's too: it warned), nothing is said."""
     saved = _saved()
 
     def creating_state_first(t):
@@ -530,9 +531,13 @@ def test_an_optimizer_resumed_without_its_compression_state_warns_once_per_rank(
             adam, grace_from_params(PARAMS, transport=t), named_parameters=model.named_parameters())
         _trained_step(model, optimizer, t.rank)
 
+    def wrapped_again(t):  # a second phase of the run wraps the same optimizer anew
+        _wrapped_twice(t, carry=True)
+
     cases = {"afresh": (_resumed, saved, None), "both": (_resumed, saved, 0),
              "fresh": (fresh,), "created": (creating_state_first,),
-             "created before wrapping": (created_before_wrapping,)}
+             "created before wrapping": (created_before_wrapping,),
+             "wrapped again": (wrapped_again,)}
     said = {}
     for case, (fn, *args) in cases.items():
         with warnings.catch_warnings(record=True) as caught:
@@ -543,6 +548,55 @@ def test_an_optimizer_resumed_without_its_compression_state_warns_once_per_rank(
     assert all("compression state was not restored" in m for m in said["afresh"])
     assert said["both"] == said["fresh"] == said["created"] == []
     assert said["created before wrapping"] == []
+    assert len(said["wrapped again"]) == 3 and all("takes over" in m for m in said["wrapped again"])
+
+
+def _wrapped_twice(t, carry: bool, second_at: int = 2, steps: int = 4):
+    """Adam through a DistributedOptimizer, wrapped again after `second_at` of `steps` steps
+    (with the first one's compression state carried over); the model and both wrappers."""
+    model = _model(0)
+    adam = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=1e-3)
+    wrappers = []
+    for step in range(steps):
+        if step in (0, second_at):
+            wrappers.append(spardl_grace.DistributedOptimizer(
+                adam, grace_from_params(PARAMS, transport=t),
+                named_parameters=model.named_parameters()))
+            if carry and len(wrappers) == 2:
+                wrappers[1].load_compression_state_dict(wrappers[0].compression_state_dict())
+        optimizer = wrappers[-1]
+        optimizer.zero_grad()
+        _backward(model, t.rank, step)
+        optimizer.step()
+    return model, wrappers
+
+
+def test_a_second_wrapper_over_the_same_optimizer_takes_its_parameters_over():
+    """Both wrappers' gradient hooks fired, so each step's buckets were launched twice and the
+    ranks ran different sequences of operations. Now the later one takes over (a warning
+    says the residuals stay with the earlier, whose step() raises), and with them carried
+    over the run equals one wrapper's, bit for bit."""
+    def fn(t):
+        model, (first, _) = _wrapped_twice(t, carry=True)
+        errors = []
+        for call in (first.step, first.synchronize):
+            try:
+                call()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        straight, _ = _wrapped_twice(t, carry=True, second_at=99)
+        return (torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                torch.cat([p.detach().reshape(-1) for p in straight.parameters()]),
+                errors)
+
+    with warnings.catch_warnings(record=True) as caught:  # the ranks' threads warn here
+        warnings.simplefilter("always")
+        results = run_local(3, fn)
+    for twice, once, errors in results:
+        assert torch.equal(twice, once)
+        assert len(errors) == 2 and all("a later DistributedOptimizer" in e for e in errors)
+    said = [str(w.message) for w in caught if "spardl_grace" in str(w.message)]
+    assert len(said) == 3 and all("load_compression_state_dict" in m for m in said)
 
 
 def _trained_step(model, optimizer, rank: int) -> None:
