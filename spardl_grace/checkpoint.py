@@ -168,14 +168,19 @@ def warn_if_resumed_afresh(optimizer: torch.optim.Optimizer, restored: bool, sav
     parameters `restored` none, so the residuals, step counters and warm-ups start afresh.
     The state an optimizer creates in steps of its own (Horovod's broadcast_optimizer_state
     and torch.distributed.checkpoint step on zero gradients to create it) is not taken for a
-    loaded one. `save` names what the caller should have saved on every rank."""
-    from .step_hooks import steps_taken
+    loaded one, nor is the state a join gave it from another rank (spardl_grace.join). `save`
+    names what the caller should have saved on every rank."""
+    from .step_hooks import has_state_from_a_peer, steps_taken
 
     taken = steps_taken(optimizer)
-    if restored or not any(
-        _from_elsewhere(optimizer.state.get(p, {}), taken)
-        for group in optimizer.param_groups
-        for p in group["params"]
+    if (
+        restored
+        or has_state_from_a_peer(optimizer)
+        or not any(
+            _from_elsewhere(optimizer.state.get(p, {}), taken)
+            for group in optimizer.param_groups
+            for p in group["params"]
+        )
     ):
         return
     warnings.warn(

@@ -8,18 +8,24 @@
     joined.last_rank                   # the rank that ran out last: every rank now holds its model
 
 What Horovod's hvd.join() and torch's Join do for their own collectives, on the library's
-channel, under any launcher (horovodrun, torchrun, mpirun). Inside the block, each step that
-synchronises begins with one all-reduce of one number: how many ranks still have data. A rank
-whose loop has ended waits at the block's exit and takes part in the others' steps with zero
-gradients (zero moves with 'exchange': 'update'), without an optimizer step: its residuals
-and step counters move on as the others' do, so every rank stays at the same step, and the
-average is still over all ranks, as DDP's Join divides by the initial world size. Once every
-rank has ended, every rank takes the parameters and the optimizer state of the rank that ended
-last (the highest rank among those that ended at the last step), so the replicas are the same
-bits when the block ends; residuals stay each rank's own.
+channel, under any launcher (horovodrun, torchrun, mpirun). Every DistributedOptimizer the loop
+steps goes into one block (join_uneven_inputs(opt_g, opt_d) for a GAN). Inside it, each step
+that synchronises begins with one all-reduce of one number per optimizer: which optimizer
+steps, from the ranks that still have data. A rank whose loop has ended waits at the block's
+exit and takes part in the others' steps with zero gradients (zero moves with 'exchange':
+'update'; its memory adds its residuals, as on any step), without an optimizer step: its
+residuals and step counters move on as the others' do, so every rank stays at the same step,
+and the average is still over all ranks, as DDP's Join divides by the initial world size.
+Once every rank has ended, every rank takes the parameters and the optimizer states of the
+rank that ended last (the highest rank among those that ended at the last step; with
+'exchange_period', the one with the most local steps not yet exchanged), so the replicas are
+the same bits when the block ends; residuals stay each rank's own. Collectives of the user's
+own inside the loop are not stood in for (they would wait for the ranks in the block), nor
+are learning-rate schedulers synchronised.
 
-The DDP hook needs none of this: torch's Join([ddp_model]) runs the hook with DDP's zero
-buckets on the ranks that ended (see the integrations guide).
+Under the DDP hook, torch's Join runs the hook with DDP's zero buckets on the ranks that ended;
+`Join([ddp_model, SameOptimizerState(optimizer)])` gives every rank the last rank's optimizer
+state as well as DDP's parameters (see the integrations guide).
 """
 
 from __future__ import annotations
@@ -28,42 +34,72 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .step_hooks import state_came_from_a_peer
+from .transport import Transport, shared_transport
 
 
 class UnevenInputs:
-    """The block join_uneven_inputs(optimizer) returns; after it ends, `last_rank` is the rank
-    whose parameters and optimizer state every rank took (hvd.join()'s return value) and
-    `steps_without_data` the steps this rank took part in after its own loop ended."""
+    """The block join_uneven_inputs(*optimizers) returns; after it ends, `last_rank` is the
+    rank whose parameters and optimizer states every rank took (hvd.join()'s return value)
+    and `steps_without_data` the steps (of any of the optimizers) this rank took part in
+    after its own loop ended."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        if not hasattr(optimizer, "_sync") or not hasattr(optimizer, "_slots"):
-            raise TypeError(
-                "join_uneven_inputs takes a spardl_grace.DistributedOptimizer, got "
-                f"{type(optimizer).__name__}: under the DDP hook use torch's "
-                "torch.distributed.algorithms.Join([ddp_model])"
-            )
-        if not optimizer._slots:
+    def __init__(self, optimizers: tuple[torch.optim.Optimizer, ...]):
+        if not optimizers:
+            raise ValueError("join_uneven_inputs takes the DistributedOptimizers of the loop")
+        for optimizer in optimizers:
+            if not hasattr(optimizer, "_sync") or not hasattr(optimizer, "_slots"):
+                raise TypeError(
+                    "join_uneven_inputs takes spardl_grace.DistributedOptimizers, got "
+                    f"{type(optimizer).__name__}: under the DDP hook use torch's "
+                    "torch.distributed.algorithms.Join([ddp_model, hook_state])"
+                )
+            if not optimizer._slots:
+                raise ValueError(
+                    "join_uneven_inputs: an optimizer has no parameter that needs a gradient, "
+                    "so its steps never synchronise and there is nothing to join"
+                )
+        if len({id(o) for o in optimizers}) != len(optimizers):
+            raise ValueError("join_uneven_inputs: an optimizer is given twice")
+        transports = {id(o._sync.grace.transport) for o in optimizers}  # type: ignore[attr-defined]
+        if len(transports) > 1:
             raise ValueError(
-                "join_uneven_inputs: the optimizer has no parameter that needs a gradient, so "
-                "its steps never synchronise and there is nothing to join"
+                "join_uneven_inputs: the optimizers synchronise over different transports; the "
+                "ranks that ran out could not tell which one steps next. Build their "
+                "communicators on one transport (grace_from_params' default)"
             )
-        self.optimizer: Any = optimizer
+        self.optimizers: tuple[Any, ...] = optimizers
+        self.transport = optimizers[0]._sync.grace.transport  # type: ignore[attr-defined]
         self.last_rank: int | None = None
         self.steps_without_data = 0
 
     def __enter__(self) -> UnevenInputs:
-        optimizer = self.optimizer
-        if optimizer._joining:
-            raise ValueError("join_uneven_inputs: this optimizer is already inside such a block")
-        if optimizer._pending:
-            raise ValueError(
-                "join_uneven_inputs: a step is under way (backward() ran, step() did not): "
-                "enter the block before the loop"
-            )
-        optimizer._joining = True
+        for optimizer in self.optimizers:
+            if optimizer._join is not None:
+                raise ValueError(
+                    "join_uneven_inputs: an optimizer is already inside such a block; give "
+                    "every optimizer of the loop to one block: join_uneven_inputs(a, b)"
+                )
+            if optimizer._pending:
+                raise ValueError(
+                    "join_uneven_inputs: a step is under way (backward() ran, step() did "
+                    "not): enter the block before the loop"
+                )
+        for optimizer in self.optimizers:
+            optimizer._join = self
         return self
+
+    def announce(self, optimizer: Any, has_data: bool = True) -> torch.Tensor:
+        """The ranks' votes on the step about to begin: one all-reduce of one number per
+        optimizer, 1 at `optimizer`'s place from each rank that steps it (the ranks with data,
+        before its first bucket), 0 from the ranks that ran out."""
+        votes = torch.zeros(len(self.optimizers), dtype=torch.int64)
+        if has_data:
+            votes[self.optimizers.index(optimizer)] = 1
+        return self.transport.allreduce(votes, "join.ranks_with_data")
 
     def __exit__(
         self,
@@ -71,33 +107,117 @@ class UnevenInputs:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        optimizer = self.optimizer
-        optimizer._joining = False
+        try:
+            if kind is None:
+                for optimizer in self.optimizers:
+                    # A loop left between backward() and step(): the step is under way on
+                    # the ranks that took it, so finish its exchange, without the optimizer's
+                    # step (announced as any step is, if no bucket of it has gone yet).
+                    if optimizer._pending or any(optimizer._passes.values()):
+                        optimizer.synchronize()
+                        optimizer._synchronized = optimizer._gradients_synchronized = False
+        finally:
+            for optimizer in self.optimizers:
+                optimizer._join = None
         if kind is not None:
             return
         last = True
-        while optimizer._count_ranks_with_data(False):
+        while (votes := self.announce(None, has_data=False)).any():
+            stepping = torch.nonzero(votes).flatten().tolist()
+            if len(stepping) > 1:
+                raise ValueError(
+                    "join_uneven_inputs: the ranks that have data step different optimizers "
+                    f"at once (positions {stepping} in the block's list): every rank must "
+                    "step them in the same order"
+                )
             last = False
-            optimizer._step_without_data()
+            self.optimizers[stepping[0]]._step_without_data()
             self.steps_without_data += 1
-        transport = optimizer._sync.grace.transport
-        ended_last = torch.zeros(transport.size, dtype=torch.int64)
-        ended_last[transport.rank] = int(last)
-        flags = transport.allreduce(ended_last, "join.ended_last")
-        root = int(torch.nonzero(flags).max())
-        broadcast_parameters([(name, p) for p, name in optimizer._names.items()], root, transport)
-        broadcast_optimizer_state(optimizer, root, transport)
-        # The state came from root's steps, which its own first step checked.
-        optimizer._resume_checked = True
-        self.last_rank = transport.global_rank(root)
+        root = self._last_to_end(last)
+        for optimizer in self.optimizers:
+            broadcast_parameters(
+                [(name, p) for p, name in optimizer._names.items()], root, self.transport
+            )
+            broadcast_optimizer_state(optimizer, root, self.transport)
+            state_came_from_a_peer(optimizer)
+        self.last_rank = self.transport.global_rank(root)
+
+    def _last_to_end(self, last: bool) -> int:
+        """The rank whose model every rank takes: among those that ended at the last step, the
+        one with the most local steps not yet exchanged ('exchange': 'update' with
+        'exchange_period'), the highest rank of those; one all-reduce."""
+        transport = self.transport
+        kept = sum(o._local_steps for o in self.optimizers)
+        claims = torch.zeros(transport.size, dtype=torch.int64)
+        claims[transport.rank] = (1 + kept) * int(last)
+        claims = transport.allreduce(claims, "join.ended_last")
+        return int(torch.nonzero(claims == claims.max()).max())
 
 
-def join_uneven_inputs(optimizer: torch.optim.Optimizer) -> UnevenInputs:
+def join_uneven_inputs(*optimizers: torch.optim.Optimizer) -> UnevenInputs:
     """A block inside which ranks may run out of data at different steps (see the module
-    docstring): every rank enters it before its loop, with the DistributedOptimizer that
-    synchronises the loop's steps; one block per optimizer. A block left by an exception does
-    not wait for the others (their next step then fails with the transport's timeout, as
-    without the block). TypeError for an optimizer that is not a DistributedOptimizer (the DDP
-    hook takes torch's Join), ValueError for one without trainable parameters or already in a
-    block."""
-    return UnevenInputs(optimizer)
+    docstring): every rank enters it before its loop, with every DistributedOptimizer that
+    synchronises the loop's steps (a GAN's two in one block), all on one transport. A loop
+    left between backward() and step() has that step's exchange finished at the exit. A
+    block left by an exception does not wait for the others (their next step then fails with
+    the transport's timeout, as without the block). TypeError for an optimizer that is not a
+    DistributedOptimizer (the DDP hook takes torch's Join), ValueError for one without
+    trainable parameters, one already in a block, or optimizers on different transports."""
+    return UnevenInputs(optimizers)
+
+
+class SameOptimizerState(Joinable):
+    """For torch's Join with the DDP hook: `Join([ddp_model, SameOptimizerState(optimizer)])`.
+    DDP's Join gives every rank the parameters of the rank that ended last (the highest of
+    those that ended at the last step), not its optimizer's state, so with momentum or Adam the
+    ranks' states, and from then on their replicas, would differ. At the block's end this
+    gives every rank that rank's optimizer state too (spardl_grace.broadcast_optimizer_state,
+    over `transport`, default the library's channel). `process_group`: DDP's, when it was
+    given one (Join needs its joinables to share it)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        transport: Transport | None = None,
+        process_group: Any = None,
+    ):
+        super().__init__()
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"SameOptimizerState takes a torch.optim optimizer, got {type(optimizer).__name__}"
+            )
+        self.optimizer = optimizer
+        self.transport = transport
+        self.process_group = process_group
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook whose post_hook broadcasts the optimizer's state from the last rank."""
+        return _BroadcastStateAtEnd(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the optimizer's first parameter (Join's own count uses DDP's)."""
+        return self.optimizer.param_groups[0]["params"][0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        """DDP's process group: the one given, else the default group."""
+        import torch.distributed as dist
+
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+
+class _BroadcastStateAtEnd(JoinHook):
+    def __init__(self, joinable: SameOptimizerState):
+        self.joinable = joinable
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the optimizer state of the rank DDP's Join takes the parameters
+        from: the highest rank among the last to join (DDP's _sync_final_model's rule)."""
+        transport = self.joinable.transport or shared_transport()
+        claims = torch.zeros(transport.size, dtype=torch.int64)
+        claims[transport.rank] = int(is_last_joiner)
+        claims = transport.allreduce(claims, "join.ended_last")
+        root = int(torch.nonzero(claims).max())
+        broadcast_optimizer_state(self.joinable.optimizer, root, transport)
+        state_came_from_a_peer(self.joinable.optimizer)

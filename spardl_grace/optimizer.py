@@ -222,9 +222,9 @@ class _DistributedOptimizer:
         self._resume_checked = False
         self._gradients_synchronized = False  # this step's gradients, by synchronize()
         self._should_synchronize = True
-        #: inside spardl_grace.join_uneven_inputs: each synchronising step first counts the
-        #: ranks that still have data
-        self._joining = False
+        #: the spardl_grace.join_uneven_inputs block this optimizer is in (None: none): each
+        #: synchronising step first tells the ranks that ran out which optimizer steps
+        self._join: Any = None
         self._superseded = False
         self._take_over_from_earlier()
         self._hooks = [
@@ -314,8 +314,8 @@ class _DistributedOptimizer:
             self._launch(slot)
 
     def _launch(self, slot: _BucketSlot) -> None:
-        if self._joining and not self._pending:
-            self._count_ranks_with_data(True)
+        if self._join is not None and not self._pending:
+            self._join.announce(self)
         self._densify(slot)
         out = (
             self._flat_pool.take(
@@ -461,8 +461,8 @@ class _DistributedOptimizer:
         if self._local_steps < self._exchange_period:
             self._passes = dict.fromkeys(self._passes, 0)
             return loss
-        if self._joining:
-            self._count_ranks_with_data(True)
+        if self._join is not None:
+            self._join.announce(self)
         try:
             for slot, anchor in zip(self._slots, self._anchor):
                 moved = anchor - flatten_params(slot.params, slot.dtype)
@@ -504,18 +504,10 @@ class _DistributedOptimizer:
             return anchor.sub_(average)
         return anchor.add_(average, alpha=-self._outer_lr)
 
-    def _count_ranks_with_data(self, has_data: bool) -> int:
-        """How many ranks still have data, inside join_uneven_inputs: one all-reduce, before
-        a step's first bucket on the ranks that step (the first bucket's turn comes when no
-        other exchange of the step has begun), and from the block's exit on the ranks that
-        have ended (spardl_grace.join)."""
-        transport = self._sync.grace.transport
-        mine = torch.tensor([int(has_data)], dtype=torch.int64)
-        return int(transport.allreduce(mine, "join.ranks_with_data")[0])
-
     def _step_without_data(self) -> None:
-        """The other ranks' synchronising step, taken by a rank whose data ran out: every
-        bucket sent with zeros, in bucket order, the averages dropped, no optimizer step."""
+        """The other ranks' synchronising step, taken by a rank whose data ran out
+        (spardl_grace.join): every bucket sent with zero gradients (the memory adds its
+        residuals as on any step), in bucket order, the averages dropped, no optimizer step."""
         try:
             for slot in self._slots:
                 zeros = torch.zeros(

@@ -89,6 +89,21 @@ def inherit_steps(new: torch.optim.Optimizer, old: torch.optim.Optimizer) -> Non
     _SHARES_STATE_OF[new] = old
 
 
+#: optimizers whose state a join gave them from another rank (spardl_grace.join): it is that
+#: rank's, made in its steps (which its own first step checked), not a checkpoint's
+_STATE_FROM_A_PEER: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def state_came_from_a_peer(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer`'s state was just taken from another rank of this run, at a join's end."""
+    _STATE_FROM_A_PEER.add(optimizer)
+
+
+def has_state_from_a_peer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a join gave `optimizer` another rank's state (state_came_from_a_peer)."""
+    return optimizer in _STATE_FROM_A_PEER
+
+
 register_optimizer_step_post_hook(_count)
 
 

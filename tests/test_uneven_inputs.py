@@ -130,27 +130,34 @@ def test_an_error_inside_the_block_leaves_it_without_waiting_for_the_others():
                         raise KeyError("the user's bug")
                     us._step(model, opt, x, y)
         except KeyError:
-            return "raised", opt._joining
+            return "raised", opt._join
         except spardl_grace.transport.TransportError as exc:
-            return type(exc).__name__, opt._joining
-        return "finished", opt._joining
+            return type(exc).__name__, opt._join
+        return "finished", opt._join
 
     results = run_local(2, fn, timeout=5)
-    assert results[1] == ("raised", False)
+    assert results[1] == ("raised", None)
     assert results[0][0] in ("TransportTimeout", "PeerFailure")
 
 
-def test_torchs_join_with_the_ddp_hook_sends_zero_buckets_and_needs_no_optimizer_step(tmp_path):
+def test_torchs_join_with_the_ddp_hook_sends_zero_buckets_and_gives_the_last_ranks_state(
+        tmp_path):
     """DDP's Join runs the hook with zero buckets on the ranks that ran out, outside backward
-    and with no optimizer step: the hook raised 'synchronised the gradients twice' there."""
+    and with no optimizer step: the hook raised 'synchronised the gradients twice' there. With
+    SameOptimizerState every rank also takes the momentum of the rank DDP takes the parameters
+    from (the last to end, here rank 2; broadcasting rank 0's paired its stale momentum with
+    rank 2's parameters), and a rank with no batch at all is not told it resumed afresh."""
     results = run_ranks("gloo", 3, "uneven_scenarios.ddp_join", tmp_path, timeout=300)
-    reference = results[0]["padded"]
     for r in results:
-        joined = r["joined"]
-        assert joined["warnings"] == [] and joined["steps"] == reference["steps"] == 6
-        assert _same(joined["params"], reference["params"])
-        assert _same(joined["momentum"], reference["momentum"])
-
+        joined, padded = r["joined"], r["padded"]
+        assert joined["warnings"] == [] and joined["steps"] == padded["steps"] == 12
+        assert _same(joined["params"], padded["params"])
+        assert _same(joined["momentum"], padded["momentum"])
+        empty_first = r["empty_first"]
+        assert empty_first["warnings"] == [] and empty_first["steps"] == 10
+        for run in ("joined", "empty_first"):
+            assert _same(r[run]["params"], results[0][run]["params"])
+            assert _same(r[run]["momentum"], results[0][run]["momentum"])
 
 
 def test_auto_plans_alike_on_every_rank_while_some_ranks_have_no_data():
@@ -163,3 +170,95 @@ def test_auto_plans_alike_on_every_rank_while_some_ranks_have_no_data():
         assert _same(r["params"], results[0]["params"])
         assert _same(r["optimizer"], results[0]["optimizer"])
         assert r["compression"]["steps"] == results[0]["compression"]["steps"] == 12
+
+
+def test_a_loop_left_between_backward_and_step_has_that_steps_exchange_finished():
+    """A step budget checked after backward(): the block's exit ran its count while the
+    communication thread still sent that step's buckets (the ranks' messages collided). Now
+    the exit finishes that exchange first, without the optimizer's step."""
+    def fn(transport):
+        model, opt = us._optimizer(transport, us.PARAMS)
+        budget = 2 + transport.rank
+        with spardl_grace.join_uneven_inputs(opt) as block:
+            for step, (x, y) in enumerate(us.batches(transport.rank, transport.size, 9)):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                if step == budget:
+                    break
+                opt.step()
+        return us.flat_params(model), opt._sync.steps, block.last_rank, block.steps_without_data
+
+    results = run_local(3, fn)
+    assert [r[1:] for r in results] == [(5, 2, 2), (5, 2, 1), (5, 2, 0)]
+    assert all(torch.equal(r[0], results[0][0]) for r in results)
+
+
+def test_a_gans_two_optimizers_join_in_one_block():
+    """Generator and discriminator each with a DistributedOptimizer, stepped in turn: the
+    ranks that ran out take each one's steps in the order the others take them (with a block
+    per optimizer they waited in different blocks: a hang under torchrun)."""
+    def fn(transport):
+        gen, opt_g = us._optimizer(transport, us.PARAMS)
+        disc, opt_d = us._optimizer(transport, {**us.PARAMS, "compress_ratio": 0.1})
+        critic = torch.nn.Linear(10, 1)
+        with torch.no_grad():
+            critic.weight.fill_(0.1)
+            critic.bias.zero_()
+        with spardl_grace.join_uneven_inputs(opt_g, opt_d) as block:
+            for x, y in us.batches(transport.rank, transport.size, 2 + 2 * transport.rank):
+                opt_d.zero_grad()
+                torch.nn.functional.cross_entropy(disc(x), y).backward()
+                opt_d.step()
+                opt_g.zero_grad()
+                critic(gen(x) * disc(x).detach()).mean().backward()
+                opt_g.step()
+        return (us.flat_params(gen), us.flat_params(disc), block.last_rank,
+                block.steps_without_data, opt_g._sync.steps, opt_d._sync.steps)
+
+    results = run_local(3, fn)
+    for rank, r in enumerate(results):
+        assert r[2:] == (2, 2 * (4 - 2 * rank), 6, 6)
+        assert torch.equal(r[0], results[0][0]) and torch.equal(r[1], results[0][1])
+
+
+def test_with_exchange_period_the_rank_with_unexchanged_local_steps_gives_the_model():
+    """Ranks with 3 and 2 batches, exchanging every second step, end at the same exchange:
+    the highest rank gave the model and rank 0's third, local step was lost."""
+    params = {**us.PARAMS, "exchange": "update", "exchange_period": 2}
+
+    def fn(transport):
+        model, opt = us._optimizer(transport, params)
+        with spardl_grace.join_uneven_inputs(opt) as block:
+            for x, y in us.batches(transport.rank, transport.size, 3 - transport.rank):
+                us._step(model, opt, x, y)
+        return us.flat_params(model), block.last_rank, opt._local_steps
+
+    results = run_local(2, fn)
+    assert [r[1] for r in results] == [0, 0]
+    assert torch.equal(results[0][0], results[1][0])
+
+
+def test_optimizers_on_two_transports_or_twice_are_refused():
+    from spardl_grace.transport.counting import CountingTransport
+
+    def fn(transport):
+        _, a = us._optimizer(transport, us.PARAMS)
+        _, b = us._optimizer(CountingTransport(transport), us.PARAMS)
+        errors = []
+        for given in ((a, b), (a, a), ()):
+            try:
+                spardl_grace.join_uneven_inputs(*given)
+            except ValueError as exc:
+                errors.append(str(exc))
+        with spardl_grace.join_uneven_inputs(a):
+            try:
+                with spardl_grace.join_uneven_inputs(a):
+                    pass
+            except ValueError as exc:
+                errors.append(str(exc))
+        return errors
+
+    for errors in run_local(2, fn):
+        assert "different transports" in errors[0] and "given twice" in errors[1]
+        assert "takes the DistributedOptimizers" in errors[2]
+        assert "join_uneven_inputs(a, b)" in errors[3]

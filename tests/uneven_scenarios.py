@@ -80,43 +80,57 @@ def joined_and_padded(transport) -> dict:
     return {"joined": joined(transport), "padded": padded_with_zero_gradients(transport)}
 
 
-def _ddp_job(padded: bool) -> dict:
-    """DDP with the hook and SGD with momentum, the first epoch's uneven batches, inside
-    torch's Join, or padded with zero-gradient steps (an lr-0 SGD steps them, so the hook sees
-    an optimizer step); the momentum is broadcast from rank 0 afterwards, as the guide says."""
+#: batches by rank (3 ranks) in each epoch: the last rank ends last, then rank 0 with rank 1
+#: empty; and an epoch in which rank 0 has none before any other
+DDP_EPOCHS = ([2, 4, 6], [6, 0, 2])
+EMPTY_FIRST = ([0, 2, 4], [2, 4, 6])
+
+
+def _ddp_job(padded: bool, epochs: tuple[list[int], ...] = DDP_EPOCHS) -> dict:
+    """DDP with the hook and SGD with momentum, an epoch of each `epochs`' batches, inside
+    torch's Join with SameOptimizerState, or padded with zero-gradient steps (an lr-0 SGD steps
+    them, so the hook sees an optimizer step) and then given the last rank's parameters and
+    momentum by hand."""
     import warnings
 
     import torch.distributed as dist
     from torch.distributed.algorithms.join import Join
 
-    rank, size = dist.get_rank(), dist.get_world_size()
+    from spardl_grace.join import SameOptimizerState
+
+    rank = dist.get_rank()
     model = mlp()
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
     state = spardl_grace.CommHookState(dict(PARAMS), ddp)
     ddp.register_comm_hook(state, spardl_grace.comm_hook)
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    counts = [batches_in_epoch(0, r, size) for r in range(size)]
-    data = list(batches(rank, size, counts[rank]))
+    still = torch.optim.SGD(model.parameters(), lr=0.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with Join([ddp], enable=not padded):
-            for x, y in data:
-                sgd.zero_grad()
-                torch.nn.functional.cross_entropy(ddp(x), y).backward()
-                sgd.step()
-            if padded:
-                still = torch.optim.SGD(model.parameters(), lr=0.0)
-                for x, _ in data[:1] * (max(counts) - counts[rank]):
+        for counts in epochs:
+            data = list(batches(rank, len(counts), counts[rank]))
+            with Join([ddp, SameOptimizerState(sgd)], enable=not padded):
+                for x, y in data:
+                    sgd.zero_grad()
+                    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                    sgd.step()
+                for _ in range((max(counts) - counts[rank]) * padded):
                     still.zero_grad()
-                    (ddp(x).sum() * 0).backward()
+                    (ddp(torch.zeros(1, 784)).sum() * 0).backward()
                     still.step()
-        spardl_grace.broadcast_optimizer_state(sgd, 0)
+            if padded:
+                root = len(counts) - 1 - counts[::-1].index(max(counts))
+                spardl_grace.broadcast_parameters(model.named_parameters(), root)
+                spardl_grace.broadcast_optimizer_state(sgd, root)
     return {"params": flat_params(model), "steps": state.synchronized_steps,
             "momentum": [s["momentum_buffer"] for s in sgd.state_dict()["state"].values()],
             "warnings": [str(w.message) for w in caught if "spardl_grace" in str(w.message)]}
 
 
 def ddp_join(_transport) -> dict:
-    """Under torchrun: torch's Join with the hook, and the padded reference."""
-    return {"joined": _ddp_job(padded=False), "padded": _ddp_job(padded=True)}
+    """Under torchrun: torch's Join with the hook, and the padded reference; and Join where a
+    rank's first epoch is empty (DDP's buckets are then rebuilt from that rank's empty record,
+    so the padded loop, whose rank 0 runs a backward, has other buckets: no reference)."""
+    return {"joined": _ddp_job(padded=False), "padded": _ddp_job(padded=True),
+            "empty_first": _ddp_job(padded=False, epochs=EMPTY_FIRST)}
 

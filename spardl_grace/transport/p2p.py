@@ -32,7 +32,8 @@ TIMED_OUT_BECAUSE = (
     "a peer stopped taking part: it died or hangs, or it left the training loop before the "
     "others (every rank must take the same steps: with uneven data, wrap the loop in "
     "spardl_grace.join_uneven_inputs(optimizer), or torch's Join([ddp_model]) under the DDP "
-    "hook; hvd.join() cannot stand in for the library's own channel)"
+    "hook; hvd.join() cannot stand in for the library's own channel; inside such a block, "
+    "a collective of your own waits for the ranks that ran out: reduce metrics after it)"
 )
 
 
