@@ -8,7 +8,8 @@ broadcast between backward and step; hand-written optimizers under the DDP hook 
 only); the other patterns (evaluation mid-epoch, a GAN, AMP with a GradScaler and clipping,
 unused parameters; under torchrun also torch.compile and a user's subgroup); FSDP2 with
 torchtitan's settings (4 ranks); Accelerate's save_state from every rank and from the main
-process alone, and Lightning's checkpoint resume (2 ranks, torchrun). A run passes when it
+process alone, and Lightning's checkpoint resume (2 ranks, torchrun); uneven shards inside
+join_uneven_inputs, and torch's Join with the DDP hook (torchrun). A run passes when it
 ends and what the ranks saved passes the job's check (the same parameters on every rank, or
 the test's equalities); one that has not ended within --timeout seconds is a hang (its
 processes are killed). Writes per job and launcher the runs, passes, failures and hangs, and
@@ -75,6 +76,32 @@ def _torchtitan_user_patterns(ranks: list[dict]) -> bool:
     )
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, tensors bit for bit, through nested dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _uneven_shards(ranks: list[dict]) -> bool:
+    return all(
+        _same(r["joined"][k], r["padded"][k]) and _same(r["joined"][k], ranks[0]["joined"][k])
+        for r in ranks for k in ("params", "optimizer")
+    ) and all(_same(r["joined"]["compression"], r["padded"]["compression"]) for r in ranks)
+
+
+def _uneven_shards_ddp_join(ranks: list[dict]) -> bool:
+    return all(
+        _same(r["joined"][k], r["padded"][k]) and _same(r[run][k], ranks[0][run][k])
+        and not r[run]["warnings"]
+        for r in ranks for k in ("params", "momentum") for run in ("joined", "empty_first")
+    )
+
+
 @dataclass(frozen=True)
 class Job:
     """A scenario (MODULE.FUNCTION of tests/), its ranks, the launchers it runs under and
@@ -102,6 +129,9 @@ JOBS = {
         "user_loops.nanogpt_checkpoints", 2, ("gloo",), _nanogpt_checkpoints),
     "fsdp2_torchtitan_user_patterns": Job(
         "fsdp_scenarios.user_patterns", 4, ("gloo",), _torchtitan_user_patterns),
+    "uneven_shards": Job("uneven_scenarios.joined_and_padded", 3, ALL, _uneven_shards),
+    "uneven_shards_ddp_join": Job(
+        "uneven_scenarios.ddp_join", 3, ("gloo",), _uneven_shards_ddp_join),
 }
 LAUNCHERS = ALL
 
