@@ -18,10 +18,10 @@ residuals and step counters move on as the others' do, so every rank stays at th
 and the average is still over all ranks, as DDP's Join divides by the initial world size.
 Once every rank has ended, every rank takes the parameters and the optimizer states of the
 rank that ended last (the highest rank among those that ended at the last step; with
-'exchange_period', the one with the most local steps not yet exchanged), so the replicas are
-the same bits when the block ends; residuals stay each rank's own. Collectives of the user's
-own inside the loop are not stood in for (they would wait for the ranks in the block), nor
-are learning-rate schedulers synchronised.
+'exchange_period', the one with the most local steps not yet exchanged), so the parameters
+are the same bits when the block ends; residuals and module buffers stay each rank's own.
+Collectives of the user's own inside the loop are not stood in for (they would wait for the
+ranks in the block), nor are learning-rate schedulers synchronised.
 
 Under the DDP hook, torch's Join runs the hook with DDP's zero buckets on the ranks that ended;
 `Join([ddp_model, SameOptimizerState(optimizer)])` gives every rank the last rank's optimizer
@@ -38,7 +38,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .step_hooks import state_came_from_a_peer
-from .transport import Transport, shared_transport
+from .transport import Transport, TransportError, shared_transport
 
 
 class UnevenInputs:
@@ -55,7 +55,8 @@ class UnevenInputs:
                 raise TypeError(
                     "join_uneven_inputs takes spardl_grace.DistributedOptimizers, got "
                     f"{type(optimizer).__name__}: under the DDP hook use torch's "
-                    "torch.distributed.algorithms.Join([ddp_model, hook_state])"
+                    "torch.distributed.algorithms.Join([ddp_model, "
+                    "spardl_grace.join.SameOptimizerState(optimizer)])"
                 )
             if not optimizer._slots:
                 raise ValueError(
@@ -64,15 +65,13 @@ class UnevenInputs:
                 )
         if len({id(o) for o in optimizers}) != len(optimizers):
             raise ValueError("join_uneven_inputs: an optimizer is given twice")
-        transports = {id(o._sync.grace.transport) for o in optimizers}  # type: ignore[attr-defined]
-        if len(transports) > 1:
+        if any(o._superseded for o in optimizers):  # type: ignore[attr-defined]
             raise ValueError(
-                "join_uneven_inputs: the optimizers synchronise over different transports; the "
-                "ranks that ran out could not tell which one steps next. Build their "
-                "communicators on one transport (grace_from_params' default)"
+                "join_uneven_inputs: an optimizer was taken over by a later DistributedOptimizer "
+                "over its parameters: give the later one"
             )
         self.optimizers: tuple[Any, ...] = optimizers
-        self.transport = optimizers[0]._sync.grace.transport  # type: ignore[attr-defined]
+        self.transport = _vote_channel(optimizers)
         self.last_rank: int | None = None
         self.steps_without_data = 0
 
@@ -83,7 +82,7 @@ class UnevenInputs:
                     "join_uneven_inputs: an optimizer is already inside such a block; give "
                     "every optimizer of the loop to one block: join_uneven_inputs(a, b)"
                 )
-            if optimizer._pending:
+            if optimizer._pending or any(optimizer._passes.values()):
                 raise ValueError(
                     "join_uneven_inputs: a step is under way (backward() ran, step() did "
                     "not): enter the block before the loop"
@@ -98,8 +97,24 @@ class UnevenInputs:
         before its first bucket), 0 from the ranks that ran out."""
         votes = torch.zeros(len(self.optimizers), dtype=torch.int64)
         if has_data:
-            votes[self.optimizers.index(optimizer)] = 1
-        return self.transport.allreduce(votes, "join.ranks_with_data")
+            mine = self.optimizers.index(optimizer)
+            others = [o for o in self.optimizers if o is not optimizer]
+            if any(o._pending or any(o._passes.values()) for o in others):
+                raise ValueError(
+                    "join_uneven_inputs: two of the block's optimizers synchronise in one "
+                    "backward pass (parameter groups split between them): a rank that ran out "
+                    "takes one optimizer's step at a time, so give them one "
+                    "DistributedOptimizer"
+                )
+            votes[mine] = 1
+        votes = self.transport.allreduce(votes, "join.ranks_with_data")
+        if has_data and torch.count_nonzero(votes) != 1:
+            raise ValueError(
+                "join_uneven_inputs: the ranks that have data step different optimizers at "
+                f"once (votes by position in the block's list: {votes.tolist()}): every rank "
+                "must step them in the same order"
+            )
+        return votes
 
     def __exit__(
         self,
@@ -154,6 +169,24 @@ class UnevenInputs:
         return int(torch.nonzero(claims == claims.max()).max())
 
 
+def _vote_channel(optimizers: tuple[Any, ...]) -> Transport:
+    """The transport the block's votes and final broadcasts go over: the optimizers' own when
+    they share one; else the process's channel for one-off collectives (shared_transport),
+    which no communication thread uses (grace_from_params gives each communicator a channel of
+    its own, so a GAN's two optimizers have two)."""
+    transports = {id(o._sync.grace.transport): o._sync.grace.transport for o in optimizers}
+    if len(transports) == 1:
+        return next(iter(transports.values()))
+    try:
+        return shared_transport()
+    except TransportError as exc:
+        raise ValueError(
+            "join_uneven_inputs: the optimizers synchronise over different transports and no "
+            f"launcher's backend is active to carry the block's votes ({exc}): build their "
+            "communicators on one transport"
+        ) from exc
+
+
 def join_uneven_inputs(*optimizers: torch.optim.Optimizer) -> UnevenInputs:
     """A block inside which ranks may run out of data at different steps (see the module
     docstring): every rank enters it before its loop, with every DistributedOptimizer that
@@ -196,14 +229,22 @@ class SameOptimizerState(Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        """The device of the optimizer's first parameter (Join's own count uses DDP's)."""
+        """The device of the optimizer's first parameter (Join's own count uses the first
+        joinable's, DDP's)."""
         return self.optimizer.param_groups[0]["params"][0].device
 
     @property
     def join_process_group(self) -> Any:
-        """DDP's process group: the one given, else the default group."""
+        """DDP's process group: the one given, else the default group. ValueError when this
+        comes first in Join's list: the first joinable tells Join which ranks still have
+        data, which DDP's forward does and this cannot."""
         import torch.distributed as dist
 
+        if self._join_config.is_first_joinable and self._join_config.enable:
+            raise ValueError(
+                "SameOptimizerState goes after the DDP model in Join's list: "
+                "Join([ddp_model, SameOptimizerState(optimizer)])"
+            )
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
 

@@ -243,12 +243,12 @@ class _DistributedOptimizer:
             for p in self._slot_of
             if (o := _synchronised_by(p)) is not None and not o._superseded
         }
+        if any(o._pending or any(o._passes.values()) for o in earlier.values()):
+            raise ValueError(
+                "an earlier DistributedOptimizer over these parameters is in a step "
+                "(backward() ran, step() did not): build the new one between steps"
+            )
         for old in earlier.values():
-            if old._pending:
-                raise ValueError(
-                    "an earlier DistributedOptimizer over these parameters is in a step "
-                    "(backward() ran, step() did not): build the new one between steps"
-                )
             for hook in old._hooks:
                 hook.remove()
             old._superseded = True
@@ -361,12 +361,12 @@ class _DistributedOptimizer:
         the missing ones, so every rank takes part in every bucket. With 'exchange':
         'update' the gradients stay this rank's own (step() exchanges the updates), so this
         only closes the backward passes."""
+        if self._superseded:
+            raise RuntimeError(SUPERSEDED)
         if self._exchanges_updates:
             self._passes = dict.fromkeys(self._passes, 0)
             self._synchronized = True
             return
-        if self._superseded:
-            raise RuntimeError(SUPERSEDED)
         with self._launching:
             while len(self._pending) < len(self._slots):
                 self._launch(self._slots[len(self._pending)])

@@ -193,37 +193,31 @@ def test_a_loop_left_between_backward_and_step_has_that_steps_exchange_finished(
     assert all(torch.equal(r[0], results[0][0]) for r in results)
 
 
-def test_a_gans_two_optimizers_join_in_one_block():
-    """Generator and discriminator each with a DistributedOptimizer, stepped in turn: the
-    ranks that ran out take each one's steps in the order the others take them (with a block
-    per optimizer they waited in different blocks: a hang under torchrun)."""
-    def fn(transport):
-        gen, opt_g = us._optimizer(transport, us.PARAMS)
-        disc, opt_d = us._optimizer(transport, {**us.PARAMS, "compress_ratio": 0.1})
-        critic = torch.nn.Linear(10, 1)
-        with torch.no_grad():
-            critic.weight.fill_(0.1)
-            critic.bias.zero_()
-        with spardl_grace.join_uneven_inputs(opt_g, opt_d) as block:
-            for x, y in us.batches(transport.rank, transport.size, 2 + 2 * transport.rank):
-                opt_d.zero_grad()
-                torch.nn.functional.cross_entropy(disc(x), y).backward()
-                opt_d.step()
-                opt_g.zero_grad()
-                critic(gen(x) * disc(x).detach()).mean().backward()
-                opt_g.step()
-        return (us.flat_params(gen), us.flat_params(disc), block.last_rank,
-                block.steps_without_data, opt_g._sync.steps, opt_d._sync.steps)
-
-    results = run_local(3, fn)
+def _check_gan(results: list[dict]) -> None:
     for rank, r in enumerate(results):
-        assert r[2:] == (2, 2 * (4 - 2 * rank), 6, 6)
-        assert torch.equal(r[0], results[0][0]) and torch.equal(r[1], results[0][1])
+        assert (r["last_rank"], r["steps_without_data"], r["steps"]) == (
+            len(results) - 1, 4 * (len(results) - 1 - rank), (6, 6))
+        assert torch.equal(r["gen"], results[0]["gen"])
+        assert torch.equal(r["disc"], results[0]["disc"])
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi", "horovod"])
+def test_a_gans_two_optimizers_built_the_default_way_join_in_one_block(launcher, tmp_path):
+    """Generator and discriminator each with a DistributedOptimizer (a channel each), stepped in
+    turn: the ranks that ran out take each one's steps in the order the others take them (with
+    a block per optimizer they waited in different blocks: a hang under torchrun), the votes
+    going over the process's channel for one-off collectives."""
+    _check_gan(run_ranks(launcher, 3, "uneven_scenarios.gan_joined", tmp_path, timeout=300))
+
+
+def test_a_gans_two_optimizers_on_one_transport_join_in_one_block():
+    _check_gan(run_local(3, lambda t: us.gan_joined(None, t)))
 
 
 def test_with_exchange_period_the_rank_with_unexchanged_local_steps_gives_the_model():
     """Ranks with 3 and 2 batches, exchanging every second step, end at the same exchange:
-    the highest rank gave the model and rank 0's third, local step was lost."""
+    rank 0, whose third step is local and not yet exchanged, gives the model (the highest rank
+    gave it, and that step was lost)."""
     params = {**us.PARAMS, "exchange": "update", "exchange_period": 2}
 
     def fn(transport):
@@ -262,3 +256,37 @@ def test_optimizers_on_two_transports_or_twice_are_refused():
         assert "different transports" in errors[0] and "given twice" in errors[1]
         assert "takes the DistributedOptimizers" in errors[2]
         assert "join_uneven_inputs(a, b)" in errors[3]
+
+
+def test_same_optimizer_state_must_follow_the_ddp_model_in_joins_list():
+    """The first joinable tells torch's Join which ranks still have data (DDP's forward does):
+    first in the list, it would pair Join's counts with nothing."""
+    from torch.distributed.algorithms.join import Join
+
+    from spardl_grace.join import SameOptimizerState
+
+    sgd = torch.optim.SGD(us.mlp().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"Join\(\[ddp_model, SameOptimizerState\(optimizer\)\]\)"):
+        Join([SameOptimizerState(sgd)])
+    with pytest.raises(TypeError, match=r"torch\.optim optimizer"):
+        SameOptimizerState(us.mlp())
+
+
+def test_two_optimizers_synchronising_in_one_backward_are_refused_inside_a_block():
+    """Parameter groups split between two DistributedOptimizers: a rank that ran out takes one
+    optimizer's step at a time, so the ranks with data would wait on each other's buckets."""
+    def fn(transport):
+        model = us.mlp()
+        first, second = (spardl_grace.DistributedOptimizer(
+            torch.optim.SGD(list(layer.parameters()), lr=0.1),
+            spardl_grace.grace_from_params(dict(us.PARAMS), transport),
+            named_parameters=[(f"{i}.{n}", p) for n, p in layer.named_parameters()])
+            for i, layer in ((0, model[0]), (2, model[2])))
+        with spardl_grace.join_uneven_inputs(first, second):
+            for x, y in us.batches(transport.rank, transport.size, 2):
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                first.step()
+                second.step()
+
+    with pytest.raises(ValueError, match="synchronise in one backward pass"):
+        run_local(2, fn, timeout=20)

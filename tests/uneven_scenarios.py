@@ -134,3 +134,42 @@ def ddp_join(_transport) -> dict:
     return {"joined": _ddp_job(padded=False), "padded": _ddp_job(padded=True),
             "empty_first": _ddp_job(padded=False, epochs=EMPTY_FIRST)}
 
+
+
+def gan_joined(_transport, transport=None) -> dict:
+    """A generator and a discriminator, each with a DistributedOptimizer built the default way
+    (grace_from_params(params): a channel each), stepped in turn inside one block; rank r has
+    2 + 2r batches. `transport`: one for both, in-process."""
+    def optimizer(model, ratio):
+        grc = spardl_grace.grace_from_params({**PARAMS, "compress_ratio": ratio}, transport)
+        return spardl_grace.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-3), grc,
+            named_parameters=model.named_parameters(), bucket_cap_mb=0.02)
+
+    rank = transport.rank if transport is not None else _rank()
+    size = transport.size if transport is not None else _size()
+    gen, disc = mlp(), mlp()
+    opt_g, opt_d = optimizer(gen, 0.05), optimizer(disc, 0.1)
+    critic = torch.nn.Linear(10, 1)
+    with torch.no_grad():
+        critic.weight.fill_(0.1)
+        critic.bias.zero_()
+    with spardl_grace.join_uneven_inputs(opt_g, opt_d) as block:
+        for x, y in batches(rank, size, 2 + 2 * rank):
+            opt_d.zero_grad()
+            torch.nn.functional.cross_entropy(disc(x), y).backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            critic(gen(x) * disc(x).detach()).mean().backward()
+            opt_g.step()
+    return {"gen": flat_params(gen), "disc": flat_params(disc), "last_rank": block.last_rank,
+            "steps_without_data": block.steps_without_data,
+            "steps": (opt_g._sync.steps, opt_d._sync.steps)}
+
+
+def _rank() -> int:
+    return spardl_grace.transport.shared_transport().rank
+
+
+def _size() -> int:
+    return spardl_grace.transport.shared_transport().size
