@@ -76,27 +76,29 @@ def _torchtitan_user_patterns(ranks: list[dict]) -> bool:
     )
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_values(a: Any, b: Any) -> bool:
     """Equal values, tensors bit for bit, through nested dicts and lists."""
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(same_values(a[k], b[k]) for k in a))
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
     return a == b
 
 
 def _uneven_shards(ranks: list[dict]) -> bool:
     return all(
-        _same(r["joined"][k], r["padded"][k]) and _same(r["joined"][k], ranks[0]["joined"][k])
+        same_values(r["joined"][k], r["padded"][k])
+        and same_values(r["joined"][k], ranks[0]["joined"][k])
         for r in ranks for k in ("params", "optimizer")
-    ) and all(_same(r["joined"]["compression"], r["padded"]["compression"]) for r in ranks)
+    ) and all(same_values(r["joined"]["compression"], r["padded"]["compression"]) for r in ranks)
 
 
 def _uneven_shards_ddp_join(ranks: list[dict]) -> bool:
     return all(
-        _same(r["joined"][k], r["padded"][k]) and _same(r[run][k], ranks[0][run][k])
+        same_values(r["joined"][k], r["padded"][k]) and same_values(r[run][k], ranks[0][run][k])
         and not r[run]["warnings"]
         for r in ranks for k in ("params", "momentum") for run in ("joined", "empty_first")
     )

@@ -82,7 +82,7 @@ class UnevenInputs:
                     "join_uneven_inputs: an optimizer is already inside such a block; give "
                     "every optimizer of the loop to one block: join_uneven_inputs(a, b)"
                 )
-            if optimizer._pending or any(optimizer._passes.values()):
+            if optimizer._in_a_step:
                 raise ValueError(
                     "join_uneven_inputs: a step is under way (backward() ran, step() did "
                     "not): enter the block before the loop"
@@ -94,12 +94,13 @@ class UnevenInputs:
     def announce(self, optimizer: Any, has_data: bool = True) -> torch.Tensor:
         """The ranks' votes on the step about to begin: one all-reduce of one number per
         optimizer, 1 at `optimizer`'s place from each rank that steps it (the ranks with data,
-        before its first bucket), 0 from the ranks that ran out."""
+        before its first bucket), 0 from the ranks that ran out. ValueError on every rank
+        when the ranks with data step different optimizers."""
         votes = torch.zeros(len(self.optimizers), dtype=torch.int64)
         if has_data:
             mine = self.optimizers.index(optimizer)
             others = [o for o in self.optimizers if o is not optimizer]
-            if any(o._pending or any(o._passes.values()) for o in others):
+            if any(o._in_a_step for o in others):
                 raise ValueError(
                     "join_uneven_inputs: two of the block's optimizers synchronise in one "
                     "backward pass (parameter groups split between them): a rank that ran out "
@@ -108,7 +109,7 @@ class UnevenInputs:
                 )
             votes[mine] = 1
         votes = self.transport.allreduce(votes, "join.ranks_with_data")
-        if has_data and torch.count_nonzero(votes) != 1:
+        if torch.count_nonzero(votes) > 1:
             raise ValueError(
                 "join_uneven_inputs: the ranks that have data step different optimizers at "
                 f"once (votes by position in the block's list: {votes.tolist()}): every rank "
@@ -128,7 +129,7 @@ class UnevenInputs:
                     # A loop left between backward() and step(): the step is under way on
                     # the ranks that took it, so finish its exchange, without the optimizer's
                     # step (announced as any step is, if no bucket of it has gone yet).
-                    if optimizer._pending or any(optimizer._passes.values()):
+                    if optimizer._in_a_step:
                         optimizer.synchronize()
                         optimizer._synchronized = optimizer._gradients_synchronized = False
         finally:
@@ -138,15 +139,8 @@ class UnevenInputs:
             return
         last = True
         while (votes := self.announce(None, has_data=False)).any():
-            stepping = torch.nonzero(votes).flatten().tolist()
-            if len(stepping) > 1:
-                raise ValueError(
-                    "join_uneven_inputs: the ranks that have data step different optimizers "
-                    f"at once (positions {stepping} in the block's list): every rank must "
-                    "step them in the same order"
-                )
             last = False
-            self.optimizers[stepping[0]]._step_without_data()
+            self.optimizers[int(votes.argmax())]._step_without_data()
             self.steps_without_data += 1
         root = self._last_to_end(last)
         for optimizer in self.optimizers:
@@ -160,13 +154,18 @@ class UnevenInputs:
     def _last_to_end(self, last: bool) -> int:
         """The rank whose model every rank takes: among those that ended at the last step, the
         one with the most local steps not yet exchanged ('exchange': 'update' with
-        'exchange_period'), the highest rank of those; one all-reduce."""
-        transport = self.transport
+        'exchange_period'), the highest rank of those."""
         kept = sum(o._local_steps for o in self.optimizers)
-        claims = torch.zeros(transport.size, dtype=torch.int64)
-        claims[transport.rank] = (1 + kept) * int(last)
-        claims = transport.allreduce(claims, "join.ended_last")
-        return int(torch.nonzero(claims == claims.max()).max())
+        return _highest_claim(self.transport, (1 + kept) * int(last))
+
+
+def _highest_claim(transport: Transport, claim: int) -> int:
+    """The highest rank among those whose `claim` is the largest (one all-reduce; every rank
+    gets the same answer). A claim of 0 is no claim, and some rank must make one."""
+    claims = torch.zeros(transport.size, dtype=torch.int64)
+    claims[transport.rank] = claim
+    claims = transport.allreduce(claims, "join.ended_last")
+    return int(torch.nonzero(claims == claims.max()).max())
 
 
 def _vote_channel(optimizers: tuple[Any, ...]) -> Transport:
@@ -256,9 +255,6 @@ class _BroadcastStateAtEnd(JoinHook):
         """Every rank takes the optimizer state of the rank DDP's Join takes the parameters
         from: the highest rank among the last to join (DDP's _sync_final_model's rule)."""
         transport = self.joinable.transport or shared_transport()
-        claims = torch.zeros(transport.size, dtype=torch.int64)
-        claims[transport.rank] = int(is_last_joiner)
-        claims = transport.allreduce(claims, "join.ended_last")
-        root = int(torch.nonzero(claims).max())
+        root = _highest_claim(transport, int(is_last_joiner))
         broadcast_optimizer_state(self.joinable.optimizer, root, transport)
         state_came_from_a_peer(self.joinable.optimizer)

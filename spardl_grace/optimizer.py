@@ -243,7 +243,7 @@ class _DistributedOptimizer:
             for p in self._slot_of
             if (o := _synchronised_by(p)) is not None and not o._superseded
         }
-        if any(o._pending or any(o._passes.values()) for o in earlier.values()):
+        if any(o._in_a_step for o in earlier.values()):
             raise ValueError(
                 "an earlier DistributedOptimizer over these parameters is in a step "
                 "(backward() ran, step() did not): build the new one between steps"
@@ -265,6 +265,12 @@ class _DistributedOptimizer:
     @property
     def grace(self) -> Synchronizer:
         return self._sync.grace
+
+    @property
+    def _in_a_step(self) -> bool:
+        """Whether a step is under way: gradients counted or buckets sent since the last
+        step() or synchronize()."""
+        return bool(self._pending) or any(self._passes.values())
 
     @property
     def _exchanges_updates(self) -> bool:
