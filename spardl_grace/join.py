@@ -21,24 +21,42 @@ rank that ended last (the highest rank among those that ended at the last step; 
 'exchange_period', the one with the most local steps not yet exchanged), so the parameters
 are the same bits when the block ends; residuals and module buffers stay each rank's own.
 Collectives of the user's own inside the loop are not stood in for (they would wait for the
-ranks in the block), nor are learning-rate schedulers synchronised.
+ranks in the block). Whatever else counts the steps a rank took, a learning-rate scheduler
+stepped per batch or AMP's GradScaler, goes in `stateful=[...]`: every rank takes its state from
+the same rank at the end, otherwise each rank's copy counts its own steps; a block whose
+optimizers end with the learning rate (or another setting of a parameter group) differing
+across ranks, and no scheduler of theirs in `stateful`, warns on every rank.
 
 Under the DDP hook, torch's Join runs the hook with DDP's zero buckets on the ranks that ended;
-`Join([ddp_model, SameOptimizerState(optimizer)])` gives every rank the last rank's optimizer
-state as well as DDP's parameters (see the integrations guide).
+`Join([ddp_model, SameOptimizerState(optimizer, stateful=[...])])` gives every rank the last
+rank's optimizer state (and the `stateful` objects' states) as well as DDP's parameters (see the
+integrations guide).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .agreement import agree
+from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .step_hooks import state_came_from_a_peer
 from .transport import Transport, TransportError, shared_transport
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What `stateful=` takes: an object with state_dict() and load_state_dict(state), such as
+    a torch LR scheduler or torch.amp.GradScaler (torch.distributed.checkpoint's Stateful)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class UnevenInputs:
@@ -47,7 +65,9 @@ class UnevenInputs:
     and `steps_without_data` the steps (of any of the optimizers) this rank took part in
     after its own loop ended."""
 
-    def __init__(self, optimizers: tuple[torch.optim.Optimizer, ...]):
+    def __init__(
+        self, optimizers: tuple[torch.optim.Optimizer, ...], stateful: Iterable[Stateful] = ()
+    ):
         if not optimizers:
             raise ValueError("join_uneven_inputs takes the DistributedOptimizers of the loop")
         for optimizer in optimizers:
@@ -71,6 +91,7 @@ class UnevenInputs:
                 "over its parameters: give the later one"
             )
         self.optimizers: tuple[Any, ...] = optimizers
+        self.stateful = _checked_stateful(stateful)
         self.transport = _vote_channel(optimizers)
         self.last_rank: int | None = None
         self.steps_without_data = 0
@@ -147,8 +168,13 @@ class UnevenInputs:
             broadcast_parameters(
                 [(name, p) for p, name in optimizer._names.items()], root, self.transport
             )
-            broadcast_optimizer_state(optimizer, root, self.transport)
-            state_came_from_a_peer(optimizer)
+        _take_states(
+            self.transport,
+            root,
+            self.optimizers,
+            self.stateful,
+            "join_uneven_inputs(optimizer, stateful=[scheduler])",
+        )
         self.last_rank = self.transport.global_rank(root)
 
     def _last_to_end(self, last: bool) -> int:
@@ -166,6 +192,82 @@ def _highest_claim(transport: Transport, claim: int) -> int:
     claims[transport.rank] = claim
     claims = transport.allreduce(claims, "join.ended_last")
     return int(torch.nonzero(claims == claims.max()).max())
+
+
+def _checked_stateful(objects: Iterable[Stateful]) -> tuple[Stateful, ...]:
+    objects = tuple(objects)
+    for obj in objects:
+        if not isinstance(obj, Stateful):
+            raise TypeError(
+                "stateful= takes objects with state_dict() and load_state_dict() (an LR "
+                f"scheduler, a GradScaler), got {type(obj).__name__}"
+            )
+    return objects
+
+
+def _take_states(
+    transport: Transport,
+    root: int,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    stateful: tuple[Stateful, ...],
+    how_to_pass: str,
+) -> None:
+    """Every rank takes root's optimizer states and `stateful` states, then warns (every rank,
+    at once) when an optimizer's parameter-group settings were not root's and none of its
+    schedulers came along: a scheduler stepped per batch counted each rank's own steps."""
+    agree(
+        transport,
+        "the join's stateful objects",
+        {"kinds": [type(o).__qualname__ for o in stateful]},
+    )
+    own = [_group_settings(o) for o in optimizers]
+    for optimizer in optimizers:
+        broadcast_optimizer_state(optimizer, root, transport)
+        state_came_from_a_peer(optimizer)
+    for i, obj in enumerate(stateful):
+        state = broadcast_object(
+            obj.state_dict() if transport.rank == root else None,
+            root,
+            transport,
+            f"join.stateful.{i}",
+        )
+        if transport.rank != root:
+            obj.load_state_dict(state)
+    differed = torch.zeros(transport.size, dtype=torch.int64)
+    differed[transport.rank] = int(
+        any(
+            _group_settings(o) != settings and not _scheduled_in(o, stateful)
+            for o, settings in zip(optimizers, own)
+        )
+    )
+    differed = transport.allreduce(differed, "join.group_settings")
+    if differed.any():
+        ranks = [transport.global_rank(int(r)) for r in torch.nonzero(differed).flatten()]
+        warnings.warn(
+            f"spardl_grace.join: the learning rate (or another parameter-group setting) of "
+            f"ranks {ranks} differed from rank {transport.global_rank(root)}'s, whose state "
+            "every rank took at the end of the block: a scheduler stepped per batch counts "
+            "each rank's own steps, so from its next step the ranks' learning rates differ. "
+            f"Pass it along: {how_to_pass}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [
+        {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+        for g in optimizer.param_groups
+    ]
+
+
+def _scheduled_in(optimizer: torch.optim.Optimizer, stateful: tuple[Stateful, ...]) -> bool:
+    """Whether a scheduler of `optimizer` is among `stateful` (a wrapper shares its base
+    optimizer's param_groups, so a scheduler built on either counts)."""
+    return any(
+        getattr(getattr(obj, "optimizer", None), "param_groups", None) is optimizer.param_groups
+        for obj in stateful
+    )
 
 
 def _vote_channel(optimizers: tuple[Any, ...]) -> Transport:
@@ -186,16 +288,22 @@ def _vote_channel(optimizers: tuple[Any, ...]) -> Transport:
         ) from exc
 
 
-def join_uneven_inputs(*optimizers: torch.optim.Optimizer) -> UnevenInputs:
+def join_uneven_inputs(
+    *optimizers: torch.optim.Optimizer, stateful: Iterable[Stateful] = ()
+) -> UnevenInputs:
     """A block inside which ranks may run out of data at different steps (see the module
     docstring): every rank enters it before its loop, with every DistributedOptimizer that
-    synchronises the loop's steps (a GAN's two in one block), all on one transport. A loop
+    synchronises the loop's steps (a GAN's two in one block), all on one transport, and in
+    `stateful` whatever else counts the loop's steps (a scheduler stepped per batch, a
+    GradScaler), the same kinds in the same order on every rank. A loop
     left between backward() and step() has that step's exchange finished at the exit. A
     block left by an exception does not wait for the others (their next step then fails with
     the transport's timeout, as without the block). TypeError for an optimizer that is not a
     DistributedOptimizer (the DDP hook takes torch's Join), ValueError for one without
-    trainable parameters, one already in a block, or optimizers on different transports."""
-    return UnevenInputs(optimizers)
+    trainable parameters, one already in a block, or optimizers on different transports;
+    TypeError for a `stateful` object without state_dict/load_state_dict, and ValueError on
+    every rank at the block's end when the ranks gave different kinds of them."""
+    return UnevenInputs(optimizers, stateful)
 
 
 class SameOptimizerState(Joinable):
@@ -204,14 +312,16 @@ class SameOptimizerState(Joinable):
     those that ended at the last step), not its optimizer's state, so with momentum or Adam the
     ranks' states, and from then on their replicas, would differ. At the block's end this
     gives every rank that rank's optimizer state too (spardl_grace.broadcast_optimizer_state,
-    over `transport`, default the library's channel). `process_group`: DDP's, when it was
-    given one (Join needs its joinables to share it)."""
+    over `transport`, default the library's channel), and the `stateful` objects' states (a
+    scheduler stepped per batch, a GradScaler: as join_uneven_inputs's). `process_group`:
+    DDP's, when it was given one (Join needs its joinables to share it)."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         transport: Transport | None = None,
         process_group: Any = None,
+        stateful: Iterable[Stateful] = (),
     ):
         super().__init__()
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -221,6 +331,7 @@ class SameOptimizerState(Joinable):
         self.optimizer = optimizer
         self.transport = transport
         self.process_group = process_group
+        self.stateful = _checked_stateful(stateful)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook whose post_hook broadcasts the optimizer's state from the last rank."""
@@ -256,5 +367,10 @@ class _BroadcastStateAtEnd(JoinHook):
         from: the highest rank among the last to join (DDP's _sync_final_model's rule)."""
         transport = self.joinable.transport or shared_transport()
         root = _highest_claim(transport, int(is_last_joiner))
-        broadcast_optimizer_state(self.joinable.optimizer, root, transport)
-        state_came_from_a_peer(self.joinable.optimizer)
+        _take_states(
+            transport,
+            root,
+            (self.joinable.optimizer,),
+            self.joinable.stateful,
+            "SameOptimizerState(optimizer, stateful=[scheduler])",
+        )

@@ -4,6 +4,8 @@ exactly what a rank with zero gradients sends, and every rank must end each bloc
 parameters and optimizer state (tests/uneven_scenarios.py)."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import uneven_scenarios as us
@@ -143,11 +145,58 @@ def test_torchs_join_with_the_ddp_hook_sends_zero_buckets_and_gives_the_last_ran
         assert joined["warnings"] == [] and joined["steps"] == padded["steps"] == 12
         assert _same(joined["params"], padded["params"])
         assert _same(joined["momentum"], padded["momentum"])
+        assert joined["schedule"] == padded["schedule"]
         empty_first = r["empty_first"]
         assert empty_first["warnings"] == [] and empty_first["steps"] == 10
         for run in ("joined", "empty_first"):
             assert _same(r[run]["params"], results[0][run]["params"])
             assert _same(r[run]["momentum"], results[0][run]["momentum"])
+            assert r[run]["schedule"] == results[0][run]["schedule"]
+
+
+def test_a_per_batch_scheduler_given_to_the_block_follows_the_last_rank_and_one_left_out_warns():
+    """A scheduler stepped per batch counts its own rank's steps. Given as stateful, every rank
+    takes the last rank's at the block's end: the run equals the padded reference, schedule
+    included, with no warning. Left out, every rank warns at the first epoch's end naming the
+    ranks whose learning rate was not the last rank's, and the next epoch's steps differ from
+    the reference (the second epoch ends with every rank's scheduler at 8 steps: no warning)."""
+    def run(scheduler):
+        def both(transport):
+            return {"joined": us.joined(transport, scheduler=scheduler),
+                    "padded": us.padded_with_zero_gradients(transport, scheduler="stateful")}
+        # caught here, not in the ranks' threads: catch_warnings swaps process-wide state
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = run_local(3, both)
+        return results, [str(w.message) for w in caught if "spardl_grace.join" in str(w.message)]
+
+    given, warned = run("stateful")
+    _check(given)
+    assert warned == []
+    for r in given:
+        assert r["joined"]["schedule"] == r["padded"]["schedule"] == given[0]["joined"]["schedule"]
+        assert r["joined"]["schedule"]["steps"] == 6 + 6  # the longest shard of each epoch
+    left_out, warned = run("own")
+    assert len(warned) == 3  # one on each rank, at the first epoch's end
+    for warning in warned:
+        assert "ranks [1, 2] differed from rank 0's" in warning
+        assert "join_uneven_inputs(optimizer, stateful=[scheduler])" in warning
+    for r in left_out:
+        assert not _same(r["joined"]["params"], r["padded"]["params"])
+
+
+def test_the_ranks_must_give_the_block_the_same_kinds_of_stateful_objects():
+    def fn(transport):
+        _, opt = us._optimizer(transport, us.PARAMS)
+        stateful = [us._per_batch_schedule(opt)] if transport.rank == 0 else []
+        with pytest.raises(ValueError, match="the join's stateful objects"):
+            with spardl_grace.join_uneven_inputs(opt, stateful=stateful):
+                pass
+        with pytest.raises(TypeError, match=r"state_dict.*got int"):
+            spardl_grace.join_uneven_inputs(opt, stateful=[3])
+        return "raised"
+
+    assert run_local(2, fn) == ["raised", "raised"]
 
 
 def test_auto_plans_alike_on_every_rank_while_some_ranks_have_no_data():

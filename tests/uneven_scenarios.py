@@ -43,27 +43,47 @@ def _outcome(model, opt, **more) -> dict:
             "compression": opt.compression_state_dict(), **more}
 
 
-def joined(transport, params: dict = PARAMS) -> dict:
-    """Each epoch inside spardl_grace.join_uneven_inputs."""
+def _per_batch_schedule(opt):
+    """A learning rate that falls at every step: a scheduler stepped per batch."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+
+
+def joined(transport, params: dict = PARAMS, scheduler: str = "none") -> dict:
+    """Each epoch inside spardl_grace.join_uneven_inputs. `scheduler`: 'none', or a scheduler
+    stepped per batch, given to the block ('stateful') or not ('own')."""
     model, opt = _optimizer(transport, params)
+    sched = _per_batch_schedule(opt) if scheduler != "none" else None
     joins = []
     for epoch in range(EPOCHS):
-        with spardl_grace.join_uneven_inputs(opt) as block:
+        stateful = [sched] if scheduler == "stateful" else []
+        with spardl_grace.join_uneven_inputs(opt, stateful=stateful) as block:
             for x, y in batches(transport.rank, transport.size,
                                 batches_in_epoch(epoch, transport.rank, transport.size)):
                 _step(model, opt, x, y)
+                if sched is not None:
+                    sched.step()
         joins.append((block.last_rank, block.steps_without_data))
-    return _outcome(model, opt, joins=joins)
+    return _outcome(model, opt, joins=joins, schedule=_schedule_of(opt, sched))
 
 
-def padded_with_zero_gradients(transport, params: dict = PARAMS) -> dict:
-    """The reference (see the module docstring)."""
+def _schedule_of(opt, sched) -> dict | None:
+    return None if sched is None else {"lr": opt.param_groups[0]["lr"],
+                                       "steps": sched.state_dict()["last_epoch"]}
+
+
+def padded_with_zero_gradients(transport, params: dict = PARAMS,
+                               scheduler: str = "none") -> dict:
+    """The reference (see the module docstring); a scheduler steps with the real steps and
+    every rank takes the rank's with the most batches."""
     model, opt = _optimizer(transport, params)
+    sched = _per_batch_schedule(opt) if scheduler != "none" else None
     rank, size = transport.rank, transport.size
     for epoch in range(EPOCHS):
         counts = [batches_in_epoch(epoch, r, size) for r in range(size)]
         for x, y in batches(rank, size, counts[rank]):
             _step(model, opt, x, y)
+            if sched is not None:
+                sched.step()
         for _ in range(max(counts) - counts[rank]):
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
@@ -72,7 +92,10 @@ def padded_with_zero_gradients(transport, params: dict = PARAMS) -> dict:
         root = counts.index(max(counts))
         spardl_grace.broadcast_parameters(model.named_parameters(), root, transport)
         spardl_grace.broadcast_optimizer_state(opt, root, transport)
-    return _outcome(model, opt)
+        if sched is not None:
+            sched.load_state_dict(spardl_grace.broadcast_object(sched.state_dict(), root,
+                                                                transport, "schedule"))
+    return _outcome(model, opt, schedule=_schedule_of(opt, sched))
 
 
 def joined_and_padded(transport) -> dict:
@@ -87,10 +110,10 @@ EMPTY_FIRST = ([0, 2, 4], [2, 4, 6])
 
 
 def _ddp_job(padded: bool, epochs: tuple[list[int], ...] = DDP_EPOCHS) -> dict:
-    """DDP with the hook and SGD with momentum, an epoch of each `epochs`' batches, inside
-    torch's Join with SameOptimizerState, or padded with zero-gradient steps (an lr-0 SGD steps
-    them, so the hook sees an optimizer step) and then given the last rank's parameters and
-    momentum by hand."""
+    """DDP with the hook and SGD with momentum under a scheduler stepped per batch, an epoch of
+    each `epochs`' batches, inside torch's Join with SameOptimizerState, or padded with
+    zero-gradient steps (an lr-0 SGD steps them, so the hook sees an optimizer step) and then
+    given the last rank's parameters, momentum and schedule by hand."""
     import warnings
 
     import torch.distributed as dist
@@ -104,16 +127,18 @@ def _ddp_job(padded: bool, epochs: tuple[list[int], ...] = DDP_EPOCHS) -> dict:
     state = spardl_grace.CommHookState(dict(PARAMS), ddp)
     ddp.register_comm_hook(state, spardl_grace.comm_hook)
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = _per_batch_schedule(sgd)
     still = torch.optim.SGD(model.parameters(), lr=0.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for counts in epochs:
             data = list(batches(rank, len(counts), counts[rank]))
-            with Join([ddp, SameOptimizerState(sgd)], enable=not padded):
+            with Join([ddp, SameOptimizerState(sgd, stateful=[sched])], enable=not padded):
                 for x, y in data:
                     sgd.zero_grad()
                     torch.nn.functional.cross_entropy(ddp(x), y).backward()
                     sgd.step()
+                    sched.step()
                 for _ in range((max(counts) - counts[rank]) * padded):
                     still.zero_grad()
                     (ddp(torch.zeros(1, 784)).sum() * 0).backward()
@@ -122,7 +147,9 @@ def _ddp_job(padded: bool, epochs: tuple[list[int], ...] = DDP_EPOCHS) -> dict:
                 root = len(counts) - 1 - counts[::-1].index(max(counts))
                 spardl_grace.broadcast_parameters(model.named_parameters(), root)
                 spardl_grace.broadcast_optimizer_state(sgd, root)
+                sched.load_state_dict(spardl_grace.broadcast_object(sched.state_dict(), root))
     return {"params": flat_params(model), "steps": state.synchronized_steps,
+            "schedule": _schedule_of(sgd, sched),
             "momentum": [s["momentum_buffer"] for s in sgd.state_dict()["state"].values()],
             "warnings": [str(w.message) for w in caught if "spardl_grace" in str(w.message)]}
 
