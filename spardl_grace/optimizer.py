@@ -618,6 +618,36 @@ class _DistributedOptimizer:
         self._outer_buffers = placed(outer["momentum"])
 
 
+def _step_through_the_wrapper(wrapped: torch.optim.Optimizer, base: torch.optim.Optimizer) -> None:
+    """A learning-rate scheduler built on `base` before the wrap replaced base.step with an
+    instance attribute (torch's LRScheduler records that the optimizer stepped); copied with
+    base's state it would shadow the wrapper's step() and step `base` alone, unsynchronised.
+    The wrapper's step() takes its place and records the step for every scheduler of either.
+    TypeError for any other step set on the instance, which would shadow it just the same."""
+    own = wrapped.__dict__.get("step")
+    if own is None:
+        return
+    if not getattr(own, "_wrapped_by_lr_sched", False):
+        name = getattr(own, "__qualname__", own)
+        raise TypeError(
+            f"the optimizer's step was replaced on the instance ({name!r}), which would "
+            "shadow DistributedOptimizer's step(): wrap the optimizer first, then patch the "
+            "wrapper's step"
+        )
+    wrapper_ref, base_ref = weakref.ref(wrapped), weakref.ref(base)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        wrapper, original = wrapper_ref(), base_ref()
+        assert wrapper is not None
+        for optimizer in (wrapper, original):
+            if optimizer is not None:
+                optimizer._opt_called = True  # type: ignore[attr-defined]
+        return type(wrapper).step(wrapper, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    wrapped.__dict__["step"] = step
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     grace: Synchronizer | Iterable[tuple[str, torch.nn.Parameter]] | None = None,
@@ -712,6 +742,7 @@ def DistributedOptimizer(
     )
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
+    _step_through_the_wrapper(wrapped, optimizer)
     inherit_steps(cast(torch.optim.Optimizer, wrapped), optimizer)  # its state came from them
     if hasattr(wrapped, "_patch_step_function"):  # torch's step hooks and profiling
         wrapped._patch_step_function()

@@ -49,6 +49,50 @@ def test_wrapped_optimizer_is_still_the_users_optimizer():
         assert is_sgd and lr == pytest.approx(0.025) and loaded_lr == pytest.approx(0.025)
 
 
+def test_a_scheduler_built_before_the_wrap_steps_the_synchronised_optimizer():
+    """torch's LRScheduler replaces optimizer.step on the instance to record that it stepped;
+    copied into the wrapper, that step shadowed the wrapper's and stepped the plain optimizer,
+    unsynchronised (the next zero_grad then said step() had not been called). Built before the
+    wrap, the scheduler now steps with a synchronised step, as one built after it does, and
+    torch does not warn that the scheduler stepped before the optimizer."""
+    import warnings
+
+    def fn(t, before):
+        model = ts.mlp()
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if before:
+            scheduler = torch.optim.lr_scheduler.LambdaLR(adamw, lambda k: 1 / (1 + k))
+        opt = DistributedOptimizer(adamw, grace_from_params(ts.params_for("spardl"), transport=t),
+                                   named_parameters=model.named_parameters())
+        if not before:
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (1 + k))
+        for x, y in ts.batches(t.rank, t.size, 3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            scheduler.step()
+        return opt._sync.steps, opt.param_groups[0]["lr"], ts.flat_params(model)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = run_local(2, fn, True)
+        after = run_local(2, fn, False)
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)]
+    for b, a in zip(before, after):
+        assert b[:2] == a[:2] == (3, pytest.approx(1e-3 / 4))
+        assert torch.equal(b[2], a[2]) and torch.equal(b[2], before[0][2])
+
+
+def test_a_step_replaced_on_the_optimizer_instance_is_refused():
+    def fn(t):
+        sgd = torch.optim.SGD(ts.mlp().parameters(), lr=0.1)
+        sgd.step = lambda closure=None: None
+        with pytest.raises(TypeError, match="step was replaced on the instance"):
+            DistributedOptimizer(sgd, grace_from_params(ts.params_for("spardl"), transport=t))
+
+    run_local(1, fn)
+
+
 @pytest.mark.parametrize("bucket_cap_mb", [None, 0.01, 1e-6])
 def test_spardl_at_density_one_gives_the_exact_average_for_any_bucketing(bucket_cap_mb):
     """rho = 1 selects everything: synchronize() must write exactly the average into every
