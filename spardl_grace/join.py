@@ -23,9 +23,10 @@ are the same bits when the block ends; residuals and module buffers stay each ra
 Collectives of the user's own inside the loop are not stood in for (they would wait for the
 ranks in the block). Whatever else counts the steps a rank took, a learning-rate scheduler
 stepped per batch or AMP's GradScaler, goes in `stateful=[...]`: every rank takes its state from
-the same rank at the end, otherwise each rank's copy counts its own steps; a block whose
-optimizers end with the learning rate (or another setting of a parameter group) differing
-across ranks, and no scheduler of theirs in `stateful`, warns on every rank.
+the same rank at the end, otherwise each rank's copy counts its own steps. For an optimizer
+none of whose schedulers is in `stateful`, every rank warns at the end when a torch scheduler
+was built on it and the ranks took different numbers of its steps, or when its learning rate
+(or another setting of a parameter group) was not the last rank's.
 
 Under the DDP hook, torch's Join runs the hook with DDP's zero buckets on the ranks that ended;
 `Join([ddp_model, SameOptimizerState(optimizer, stateful=[...])])` gives every rank the last
@@ -45,7 +46,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .agreement import agree
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .step_hooks import state_came_from_a_peer
+from .step_hooks import state_came_from_a_peer, steps_taken
 from .transport import Transport, TransportError, shared_transport
 
 
@@ -95,6 +96,7 @@ class UnevenInputs:
         self.transport = _vote_channel(optimizers)
         self.last_rank: int | None = None
         self.steps_without_data = 0
+        self._steps_at_entry: list[int] = []
 
     def __enter__(self) -> UnevenInputs:
         for optimizer in self.optimizers:
@@ -110,6 +112,7 @@ class UnevenInputs:
                 )
         for optimizer in self.optimizers:
             optimizer._join = self
+        self._steps_at_entry = [steps_taken(o) for o in self.optimizers]
         return self
 
     def announce(self, optimizer: Any, has_data: bool = True) -> torch.Tensor:
@@ -173,6 +176,7 @@ class UnevenInputs:
             root,
             self.optimizers,
             self.stateful,
+            [steps_taken(o) - n for o, n in zip(self.optimizers, self._steps_at_entry)],
             "join_uneven_inputs(optimizer, stateful=[scheduler])",
         )
         self.last_rank = self.transport.global_rank(root)
@@ -210,11 +214,15 @@ def _take_states(
     root: int,
     optimizers: tuple[torch.optim.Optimizer, ...],
     stateful: tuple[Stateful, ...],
+    steps_in_block: list[int],
     how_to_pass: str,
 ) -> None:
     """Every rank takes root's optimizer states and `stateful` states, then warns (every rank,
-    at once) when an optimizer's parameter-group settings were not root's and none of its
-    schedulers came along: a scheduler stepped per batch counted each rank's own steps."""
+    at once) about each optimizer none of whose schedulers came along when the ranks took
+    different numbers of its steps in the block (`steps_in_block`, this rank's) and a torch
+    scheduler was built on it, or when its parameter-group settings were not root's (a
+    learning rate set by hand from the rank's own count): either way the ranks' learning
+    rates differ once it changes them."""
     agree(
         transport,
         "the join's stateful objects",
@@ -233,25 +241,53 @@ def _take_states(
         )
         if transport.rank != root:
             obj.load_state_dict(state)
-    differed = torch.zeros(transport.size, dtype=torch.int64)
-    differed[transport.rank] = int(
+    # by rank: this block's steps of each optimizer, then whether its settings were root's
+    seen = torch.zeros(transport.size, len(optimizers) + 1, dtype=torch.int64)
+    seen[transport.rank, :-1] = torch.tensor(steps_in_block, dtype=torch.int64)
+    seen[transport.rank, -1] = int(
         any(
             _group_settings(o) != settings and not _scheduled_in(o, stateful)
             for o, settings in zip(optimizers, own)
         )
     )
-    differed = transport.allreduce(differed, "join.group_settings")
-    if differed.any():
-        ranks = [transport.global_rank(int(r)) for r in torch.nonzero(differed).flatten()]
-        warnings.warn(
-            f"spardl_grace.join: the learning rate (or another parameter-group setting) of "
-            f"ranks {ranks} differed from rank {transport.global_rank(root)}'s, whose state "
-            "every rank took at the end of the block: a scheduler stepped per batch counts "
-            "each rank's own steps, so from its next step the ranks' learning rates differ. "
-            f"Pass it along: {how_to_pass}",
-            RuntimeWarning,
-            stacklevel=3,
+    seen = transport.allreduce(seen, "join.steps_and_settings")
+    uneven = [
+        seen[:, i].tolist()
+        for i, o in enumerate(optimizers)
+        if _has_a_scheduler(o)
+        and not _scheduled_in(o, stateful)
+        and len(set(seen[:, i].tolist())) > 1
+    ]
+    differed = [transport.global_rank(int(r)) for r in torch.nonzero(seen[:, -1]).flatten()]
+    if not uneven and not differed:
+        return
+    why = []
+    if uneven:
+        why.append(
+            "the ranks took different numbers of steps of an optimizer with a learning-rate "
+            f"scheduler (this block's steps by rank: {uneven[0]}) and the scheduler was not "
+            "passed to the block"
         )
+    if differed:
+        why.append(
+            f"the learning rate (or another parameter-group setting) of ranks {differed} "
+            f"differed from rank {transport.global_rank(root)}'s, whose state every rank took"
+        )
+    warnings.warn(
+        f"spardl_grace.join: {'; and '.join(why)}. A schedule that counts each rank's own "
+        "steps (a scheduler stepped per batch, a learning rate set from the loop's count) "
+        "gives the ranks different learning rates once it changes them, and their replicas "
+        f"drift apart. Pass the scheduler along: {how_to_pass} (one stepped per epoch may "
+        "go too: its state is the same on every rank)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _has_a_scheduler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a torch LRScheduler was built on `optimizer` (or on the optimizer it wraps):
+    torch's LRScheduler marks the step it puts on the optimizer to record that it stepped."""
+    return hasattr(optimizer.step, "_wrapped_by_lr_sched")
 
 
 def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -361,6 +397,7 @@ class SameOptimizerState(Joinable):
 class _BroadcastStateAtEnd(JoinHook):
     def __init__(self, joinable: SameOptimizerState):
         self.joinable = joinable
+        self.steps_at_start = steps_taken(joinable.optimizer)  # Join asks for it as it begins
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the optimizer state of the rank DDP's Join takes the parameters
@@ -372,5 +409,6 @@ class _BroadcastStateAtEnd(JoinHook):
             root,
             (self.joinable.optimizer,),
             self.joinable.stateful,
+            [steps_taken(self.joinable.optimizer) - self.steps_at_start],
             "SameOptimizerState(optimizer, stateful=[scheduler])",
         )

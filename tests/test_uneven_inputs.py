@@ -152,14 +152,18 @@ def test_torchs_join_with_the_ddp_hook_sends_zero_buckets_and_gives_the_last_ran
             assert _same(r[run]["params"], results[0][run]["params"])
             assert _same(r[run]["momentum"], results[0][run]["momentum"])
             assert r[run]["schedule"] == results[0][run]["schedule"]
+        left_out = r["scheduler_left_out"]["warnings"]
+        assert len(left_out) == 2 and "steps by rank: [2, 4, 6]" in left_out[0]
+        assert "SameOptimizerState(optimizer, stateful=[scheduler])" in left_out[0]
 
 
 def test_a_per_batch_scheduler_given_to_the_block_follows_the_last_rank_and_one_left_out_warns():
     """A scheduler stepped per batch counts its own rank's steps. Given as stateful, every rank
     takes the last rank's at the block's end: the run equals the padded reference, schedule
-    included, with no warning. Left out, every rank warns at the first epoch's end naming the
-    ranks whose learning rate was not the last rank's, and the next epoch's steps differ from
-    the reference (the second epoch ends with every rank's scheduler at 8 steps: no warning)."""
+    included, with no warning. Left out, every rank warns at each block's end: after the first
+    both because the ranks stepped it differently and because their learning rates were not
+    the last rank's; after the second, where every rank's scheduler ends at 8 steps and the
+    learning rates agree, because of the steps alone. The replicas differ from the reference."""
     def run(scheduler):
         def both(transport):
             return {"joined": us.joined(transport, scheduler=scheduler),
@@ -176,11 +180,13 @@ def test_a_per_batch_scheduler_given_to_the_block_follows_the_last_rank_and_one_
     for r in given:
         assert r["joined"]["schedule"] == r["padded"]["schedule"] == given[0]["joined"]["schedule"]
         assert r["joined"]["schedule"]["steps"] == 6 + 6  # the longest shard of each epoch
+    assert run("none")[1] == []
     left_out, warned = run("own")
-    assert len(warned) == 3  # one on each rank, at the first epoch's end
-    for warning in warned:
-        assert "ranks [1, 2] differed from rank 0's" in warning
-        assert "join_uneven_inputs(optimizer, stateful=[scheduler])" in warning
+    assert len(warned) == 6  # on each rank, at each block's end
+    first, second = sorted(set(warned), key=lambda w: "rank 0's" not in w)
+    assert "steps by rank: [6, 4, 2]" in first and "ranks [1, 2] differed from rank 0's" in first
+    assert "steps by rank: [2, 4, 6]" in second and "differed from" not in second
+    assert "join_uneven_inputs(optimizer, stateful=[scheduler])" in first
     for r in left_out:
         assert not _same(r["joined"]["params"], r["padded"]["params"])
 

@@ -109,7 +109,8 @@ DDP_EPOCHS = ([2, 4, 6], [6, 0, 2])
 EMPTY_FIRST = ([0, 2, 4], [2, 4, 6])
 
 
-def _ddp_job(padded: bool, epochs: tuple[list[int], ...] = DDP_EPOCHS) -> dict:
+def _ddp_job(padded: bool, epochs: tuple[list[int], ...] = DDP_EPOCHS,
+             stateful: bool = True) -> dict:
     """DDP with the hook and SGD with momentum under a scheduler stepped per batch, an epoch of
     each `epochs`' batches, inside torch's Join with SameOptimizerState, or padded with
     zero-gradient steps (an lr-0 SGD steps them, so the hook sees an optimizer step) and then
@@ -133,7 +134,8 @@ def _ddp_job(padded: bool, epochs: tuple[list[int], ...] = DDP_EPOCHS) -> dict:
         warnings.simplefilter("always")
         for counts in epochs:
             data = list(batches(rank, len(counts), counts[rank]))
-            with Join([ddp, SameOptimizerState(sgd, stateful=[sched])], enable=not padded):
+            along = SameOptimizerState(sgd, stateful=[sched] if stateful else [])
+            with Join([ddp, along], enable=not padded):
                 for x, y in data:
                     sgd.zero_grad()
                     torch.nn.functional.cross_entropy(ddp(x), y).backward()
@@ -157,9 +159,11 @@ def _ddp_job(padded: bool, epochs: tuple[list[int], ...] = DDP_EPOCHS) -> dict:
 def ddp_join(_transport) -> dict:
     """Under torchrun: torch's Join with the hook, and the padded reference; and Join where a
     rank's first epoch is empty (DDP's buckets are then rebuilt from that rank's empty record,
-    so the padded loop, whose rank 0 runs a backward, has other buckets: no reference)."""
+    so the padded loop, whose rank 0 runs a backward, has other buckets: no reference); and
+    Join with the scheduler left out of SameOptimizerState."""
     return {"joined": _ddp_job(padded=False), "padded": _ddp_job(padded=True),
-            "empty_first": _ddp_job(padded=False, epochs=EMPTY_FIRST)}
+            "empty_first": _ddp_job(padded=False, epochs=EMPTY_FIRST),
+            "scheduler_left_out": _ddp_job(padded=False, stateful=False)}
 
 
 
