@@ -742,7 +742,7 @@ def DistributedOptimizer(
     )
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    _step_through_the_wrapper(wrapped, optimizer)
+    _step_through_the_wrapper(cast(torch.optim.Optimizer, wrapped), optimizer)
     inherit_steps(cast(torch.optim.Optimizer, wrapped), optimizer)  # its state came from them
     if hasattr(wrapped, "_patch_step_function"):  # torch's step hooks and profiling
         wrapped._patch_step_function()
