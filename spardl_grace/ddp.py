@@ -72,7 +72,9 @@ class CommHookState:
     neither is seen and no optimizer has ever stepped these parameters (an update of p.data
     by a function of the user's), the hook cannot tell accumulation from an update and warns
     once instead. A step whose result was not finite (a GradScaler skips its optimizer step)
-    is exempt, and so is one with a bucket sent dense (its result is not checked)."""
+    is exempt, and so is one with a bucket sent dense (its result is not checked), and so is
+    a step skipped on purpose: the gradients set to None after the synchronisation
+    (zero_grad(), torch's default set_to_none=True), so the next backward starts afresh."""
 
     def __init__(
         self,
@@ -120,6 +122,10 @@ class CommHookState:
         self.optimizer_steps = 0
         self._at_last_sync: tuple[int, int] | None = None
         self._warned_unseen_step = False
+        #: whether the first backward since the last synchronisation found the gradients
+        #: None (None: no watched gradient has arrived since), and the parameters watched
+        self._began_without_gradients: bool | None = None
+        self._watched: set[int] = set()
         #: whether a resume without this state was checked for (at the first optimizer step
         #: after a synchronisation) or already reported (by the trainers' checkpoint load)
         self.resume_checked = False
@@ -158,14 +164,29 @@ class CommHookState:
             tuple(self.names[params[j]] for j in order), tuple(params[j].numel() for j in order)
         ), order
 
+    def watch_gradient_of(self, param: torch.Tensor) -> None:
+        """Note, before its gradient accumulates, whether `param` had none: one parameter a
+        bucket (its first to be computed), so that a backward's first gradient tells whether
+        the user reset the gradients since the last synchronisation."""
+        if id(param) in self._watched:
+            return
+        self._watched.add(id(param))
+
+        def before_accumulation(grad: torch.Tensor) -> None:
+            if self._began_without_gradients is None:
+                self._began_without_gradients = param.grad is None
+
+        param.register_hook(before_accumulation)
+
     def check_optimizer_stepped(self, previous_finite: bool) -> None:
         """Called once a step is synchronised: ValueError if no optimizer step was seen since
-        the previous synchronisation, when that one's result was finite (previous_finite) and
-        an optimizer has stepped these parameters before; a warning, once, when none ever has
-        (see the class docstring)."""
+        the previous synchronisation, when that one's result was finite (previous_finite), the
+        gradients were not reset since it, and an optimizer has stepped these parameters
+        before; a warning, once, when none ever has (see the class docstring)."""
         now = (sum(p._version for p in self.names), self.optimizer_steps)
         previous, self._at_last_sync = self._at_last_sync, now
-        if previous != now or not previous_finite:
+        reset, self._began_without_gradients = self._began_without_gradients, None
+        if previous != now or not previous_finite or reset:
             return
         if self.optimizer_steps:
             raise ValueError(
@@ -173,7 +194,9 @@ class CommHookState:
                 "gradient accumulation needs DDP's no_sync() on every backward but the last "
                 "(Lightning's accumulate_grad_batches and Accelerate's accelerator.accumulate() "
                 "do this); otherwise the hook would compress the gradient averaged at the "
-                "previous backward again and count part of it twice. A forward of the DDP "
+                "previous backward again and count part of it twice. To skip a step on "
+                "purpose (a loss spike), reset the gradients with zero_grad(set_to_none=True), "
+                "torch's default, which the hook tells from accumulation. A forward of the DDP "
                 "model with gradients enabled and no backward (an evaluation outside "
                 "torch.no_grad()) makes DDP synchronise at the next backward even inside "
                 "no_sync(): evaluate under torch.no_grad()"
@@ -239,6 +262,7 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     buffer = bucket.buffer()
     params = bucket.parameters()
     canonical, order = state.canonical(params)
+    state.watch_gradient_of(params[order[0]])
     ddp_parts = torch.split(buffer, [p.numel() for p in params])
     reordered = order != sorted(order)
     flat = torch.cat([ddp_parts[j] for j in order]) if reordered else buffer

@@ -52,11 +52,24 @@ def test_handwritten_optimizers_that_write_p_data_train_under_the_ddp_hook(tmp_p
                       tmp_path, timeout=180)
     sgd = ranks[0]["sgd"]["params"]
     for r in ranks:
-        for name in ("sgd", "subclass", "bare"):
+        for name in ("sgd", "subclass", "bare", "bare_zeroed_in_place"):
             assert torch.equal(r[name]["params"], sgd), name
             assert r[name]["steps"] == 6
-        assert r["sgd"]["warnings"] == [] and r["subclass"]["warnings"] == []
-        assert len(r["bare"]["warnings"]) == 1 and "p.data" in r["bare"]["warnings"][0]
+        assert r["sgd"]["warnings"] == r["subclass"]["warnings"] == r["bare"]["warnings"] == []
+        (warning,) = r["bare_zeroed_in_place"]["warnings"]
+        assert "p.data" in warning
+
+
+def test_a_step_skipped_on_purpose_under_the_ddp_hook_is_not_taken_for_accumulation(tmp_path):
+    ranks = run_ranks("gloo", 2, "user_loops.a_skipped_step_under_the_ddp_hook", tmp_path,
+                      timeout=180)
+    for r in ranks:
+        for run in ("skipped", "bucket_view"):
+            assert "error" not in r[run], r[run]
+            assert r[run]["steps"] == 6
+            assert torch.equal(r[run]["params"], ranks[0][run]["params"])
+        assert torch.equal(r["bucket_view"]["params"], r["skipped"]["params"])
+        assert "zero_grad(set_to_none=True)" in r["zeroed_in_place"]["error"]
 
 
 def test_gradients_arriving_on_two_autograd_threads_launch_each_bucket_once():

@@ -179,7 +179,7 @@ class _PDataSGD(torch.optim.Optimizer):
                     p.data.add_(p.grad, alpha=-group["lr"])
 
 
-def _ddp_loop(update) -> dict:
+def _ddp_loop(update, set_to_none: bool = True) -> dict:
     """DDP with the hook, SparDL at 0.05; `update(model)` applies the step."""
     import warnings
 
@@ -191,7 +191,7 @@ def _ddp_loop(update) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for x, y in batches(dist.get_rank(), dist.get_world_size(), STEPS):
-            model.zero_grad()
+            model.zero_grad(set_to_none=set_to_none)
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             update(model)
     return {"params": flat_params(model), "steps": state.sync.steps,
@@ -201,8 +201,10 @@ def _ddp_loop(update) -> dict:
 def handwritten_optimizers_under_the_ddp_hook(_transport) -> dict:
     """A torch.optim subclass and a bare function, both updating p.data (the hook raised
     'synchronised twice without an optimizer step' on the second step: it read p._version,
-    which p.data.add_() never bumps); the bare function gives the hook nothing to see, so it
-    warns once; and plain SGD, which both must equal."""
+    which p.data.add_() never bumps); and plain SGD, which both must equal. The bare function
+    gives the hook no step to see: with the gradients set to None before each backward there
+    is no accumulation to fear, and with them zeroed in place the hook cannot tell, so it warns
+    once."""
     def bare(model):
         for p in model.parameters():
             p.data.add_(p.grad, alpha=-0.05)
@@ -218,7 +220,36 @@ def handwritten_optimizers_under_the_ddp_hook(_transport) -> dict:
             holder["opt"].step()
         out[name] = _ddp_loop(update)
     out["bare"] = _ddp_loop(bare)
+    out["bare_zeroed_in_place"] = _ddp_loop(bare, set_to_none=False)
     return out
+
+
+def a_skipped_step_under_the_ddp_hook(_transport) -> dict:
+    """LLM training's loss-spike guard: at step 2 the loop drops the step, zero_grad() and
+    continue, with no optimizer step (the hook raised 'synchronised the gradients twice' at the
+    next backward). With set_to_none=False the zeroed gradients look like an accumulation, and
+    the error says how to skip; gradient_as_bucket_view too."""
+    import torch.distributed as dist
+
+    def run(set_to_none: bool, bucket_view: bool = False) -> dict:
+        model = _model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+        state = spardl_grace.CommHookState(dict(PARAMS), ddp)
+        ddp.register_comm_hook(state, spardl_grace.comm_hook)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+        try:
+            for step, (x, y) in enumerate(batches(dist.get_rank(), dist.get_world_size(),
+                                                  STEPS)):
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                if step != 2:
+                    sgd.step()
+                sgd.zero_grad(set_to_none=set_to_none)
+        except ValueError as exc:
+            return {"error": str(exc)}
+        return {"params": flat_params(model), "steps": state.sync.steps}
+
+    return {"skipped": run(True), "bucket_view": run(True, bucket_view=True),
+            "zeroed_in_place": run(False)}
 
 
 def _distributed_optimizer(model, lr: float = 0.05):
