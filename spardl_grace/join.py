@@ -55,9 +55,13 @@ class Stateful(Protocol):
     """What `stateful=` takes: an object with state_dict() and load_state_dict(state), such as
     a torch LR scheduler or torch.amp.GradScaler (torch.distributed.checkpoint's Stateful)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The object's state, as torch.save can write it."""
+        ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take a state that state_dict() gave."""
+        ...
 
 
 class UnevenInputs:
