@@ -8,7 +8,8 @@ accumulation without no_sync() from a step it did not see. watch(model, holder, 
 registers, once per process, torch's global optimizer step pre- and post-hooks; before a step
 of any optimizer that updates a watched holder's parameters each option does its part (and
 the holder checks, once, that a resumed optimizer came with its compression state:
-spardl_grace.checkpoint.warn_if_resumed_afresh); after
+spardl_grace.checkpoint.warn_if_resumed_afresh); a step given a closure computes its
+gradients inside it, so there each option acts once the closure has run; after
 the step what it changed for the step is put back (before the next step, if the step raised)
 and every such holder is told that a step was taken (a step that raised is not counted).
 One more global post-hook, registered on import, counts every optimizer's steps in this
@@ -117,25 +118,61 @@ def watch(model: torch.nn.Module, holder: Any, where: str) -> None:
     _WATCHED[model] = (holder, where)
 
 
-def _before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    from .frozen_adam import take_over_step
-    from .momentum import take_over_momentum
-
+def _before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
     _put_back(optimizer)  # a step that raised left its changes in place
     for holder, where in list(_WATCHED.values()):
         if not holder.holds_parameters_of(optimizer):
             continue
-        holder.check_resumed(optimizer)
-        undo: list[Callable[[], None]] = []
-        try:
-            undo += take_over_momentum(optimizer, holder, where)
-            undo += take_over_step(optimizer, holder, where)
-        except BaseException:
-            for action in reversed(undo):
-                action()
-            raise
-        _UNDO[optimizer] = undo
-        return
+        # torch passes the step's own arguments, the optimizer first
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            _take_over(optimizer, holder, where)
+            return None
+        # The step computes its gradients in the closure (Lightning's automatic optimisation
+        # passes one): the options act once it has run, on what it synchronised.
+        return _with_closure(args, kwargs, _after_closure(closure, optimizer, holder, where))
+    return None
+
+
+def _after_closure(
+    closure: Callable[[], Any], optimizer: torch.optim.Optimizer, holder: Any, where: str
+) -> Callable[[], Any]:
+    """`closure`, after whose first call the options act (_take_over)."""
+    taken = False
+
+    def closure_then_take_over() -> Any:
+        nonlocal taken
+        loss = closure()
+        if not taken:
+            taken = True
+            _take_over(optimizer, holder, where)
+        return loss
+
+    return closure_then_take_over
+
+
+def _with_closure(args: Any, kwargs: Any, closure: Callable[[], Any]) -> tuple[Any, Any]:
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure}
+    return (args[0], closure, *args[2:]), kwargs
+
+
+def _take_over(optimizer: torch.optim.Optimizer, holder: Any, where: str) -> None:
+    """What each option does before `optimizer` updates `holder`'s parameters (the module
+    docstring), with what puts it back after the step."""
+    from .frozen_adam import take_over_step
+    from .momentum import take_over_momentum
+
+    holder.check_resumed(optimizer)
+    undo: list[Callable[[], None]] = []
+    try:
+        undo += take_over_momentum(optimizer, holder, where)
+        undo += take_over_step(optimizer, holder, where)
+    except BaseException:
+        for action in reversed(undo):
+            action()
+        raise
+    _UNDO[optimizer] = undo
 
 
 def _after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

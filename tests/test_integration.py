@@ -475,9 +475,13 @@ def test_the_ddp_hook_runs_adams_frozen_update_as_the_optimizer_does(launch):
     """'adam_freeze_step' 3 with the user's AdamW under the DDP hook: dense for 3 steps, then
     the frozen update run before AdamW's own step, which the hidden gradients make a no-op: bit
     for bit DistributedOptimizer's run; the gradients are back after the step; an SGD is
-    refused at its first step."""
+    refused at its first step. Stepped with a closure (Lightning's automatic optimisation), the
+    frozen update ran before the closure, on the previous step's gradients, and AdamW's own
+    step then ran too on the closure's: the ranks diverged; now the same bits, one update a
+    step."""
     for r in launch("gloo", 2, "training_scenarios.ddp_frozen_adam"):
         assert torch.equal(r["ddp"], r["optimizer"])
+        assert torch.equal(r["closure"], r["ddp"]) and r["closure_steps"] == 8
         assert r["frozen_at"] == 3 and r["grads_kept"]
         assert "the optimizer is SGD" in r["sgd"]
 

@@ -158,7 +158,8 @@ def _first_step_error(transport, params: dict, make_optimizer) -> str:
 
 def ddp_frozen_adam(transport, steps: int = 8, freeze: int = 3) -> dict:
     """'adam_freeze_step' with the user's AdamW through DDP + comm_hook and through
-    DistributedOptimizer; then SGD under the hook with the key (needs torch.distributed)."""
+    DistributedOptimizer, and under the hook stepped with a closure (as Lightning steps it);
+    then SGD under the hook with the key (needs torch.distributed)."""
     params = {**params_for("spardl"), "adam_freeze_step": freeze}
 
     def adamw(model):
@@ -173,9 +174,22 @@ def ddp_frozen_adam(transport, steps: int = 8, freeze: int = 3) -> dict:
     train(model, DistributedOptimizer(adamw(model), grace_from_params(params, transport=transport),
                                       named_parameters=model.named_parameters()),
           transport.rank, transport.size, steps)
+    closure_model = mlp()
+    closure_ddp = torch.nn.parallel.DistributedDataParallel(closure_model)
+    closure_ddp.register_comm_hook(CommHookState(params, closure_ddp), comm_hook)
+    closure_users = adamw(closure_ddp)
+    for x, y in batches(transport.rank, transport.size, steps):
+        def closure(x=x, y=y):
+            closure_users.zero_grad()
+            loss = torch.nn.functional.cross_entropy(closure_ddp(x), y)
+            loss.backward()
+            return loss
+        closure_users.step(closure)
     sgd = _first_step_error(transport, params, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     first = next(ddp_model.parameters())
     return {"ddp": flat_params(ddp_model), "optimizer": flat_params(model), "sgd": sgd,
+            "closure": flat_params(closure_model),
+            "closure_steps": float(closure_users.state[next(closure_model.parameters())]["step"]),
             "frozen_at": float(users.state[first]["variance_frozen_at"]),
             "grads_kept": all(p.grad is not None for p in ddp_model.parameters())}
 
