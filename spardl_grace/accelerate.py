@@ -12,8 +12,10 @@ The hook's state (residuals and schedules) is saved by every rank into a file of
 in the checkpoint folder (spardl_grace.trainers.PerRankFiles, through Accelerate's save and
 load pre-hooks: no collective, one rank's state in memory), so `accelerator.save_state(dir)`
 writes it beside the model and optimizer, and `accelerator.load_state(dir)` restores it: a
-resumed run continues bit for bit like one never stopped (with `use_seedable_sampler=True`:
-Accelerate's default sampler does not restore the data order, for dense DDP either). Call
+resumed run continues bit for bit like one never stopped (with
+`Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))`:
+Accelerate's default sampler does not restore the data order, for dense DDP either); register
+the hook before load_state (after it, the state is not read, and this warns). Call
 save_state on every rank; a checkpoint saved from the main process alone holds rank 0's state
 only, and resuming from it raises on every rank, naming the fix. Gradient accumulation works
 inside `accelerator.accumulate(model)` (DDP's no_sync on every micro-batch but the last).
@@ -22,6 +24,7 @@ Tested with Accelerate 1.15.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +32,7 @@ import torch
 
 from .api import Synchronizer
 from .ddp import CommHookState, comm_hook
+from .step_hooks import steps_taken
 from .trainers import PerRankFiles
 
 
@@ -75,10 +79,31 @@ def register_comm_hook(
     else:
         state = CommHookState(grace, model, **state_options)
     model.register_comm_hook(state, comm_hook)
+    _warn_if_loaded_before(accelerator, state)
     files = PerRankFiles(state)
     accelerator.register_save_state_pre_hook(lambda models, weights, folder: files.save(folder))
     accelerator.register_load_state_pre_hook(lambda models, folder: files.load(folder))
     return state
+
+
+def _warn_if_loaded_before(accelerator: Any, state: CommHookState) -> None:
+    """Warn (and spare the hook's own first-step warning) when a prepared optimizer holds state
+    no step of this process made: accelerator.load_state ran before the hook's load pre-hook
+    was registered, so the compression state in its folder was not read."""
+    for prepared in getattr(accelerator, "_optimizers", []):
+        optimizer = getattr(prepared, "optimizer", prepared)
+        if optimizer.state and steps_taken(optimizer) == 0:
+            state.resume_checked = True
+            warnings.warn(
+                "spardl_grace.accelerate: the optimizer holds state that no step of this "
+                "process made (accelerator.load_state before register_comm_hook?), and the "
+                "compression state is read only by load_state calls after register_comm_hook: "
+                "this run starts with fresh residuals and schedules. Register the hook right "
+                "after accelerator.prepare, then call load_state",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
 
 
 def log_stats(accelerator: Any, state: CommHookState, step: int | None = None) -> None:

@@ -45,7 +45,9 @@ def test_accelerate_resumes_bit_identically_from_save_state(launch):
     """register_comm_hook after prepare: save_state writes each rank's compression state, and
     load_state continues bit for bit; loading without it does not; a save from the main
     process alone neither stalls nor resumes silently (every rank raises); a checkpoint
-    without the state warns; a second hook is refused."""
+    without the state warns, and so does a load_state before register_comm_hook (once, naming
+    the order: the warning said to save the state, which was saved); a second hook is
+    refused."""
     results = launch("gloo", 2, "trainer_scenarios.accelerate_resume", timeout=300)
     _same_on_every_rank(results, ["straight", "resumed", "without_state"])
     r = results[0]
@@ -65,6 +67,10 @@ def test_accelerate_resumes_bit_identically_from_save_state(launch):
         assert r["main_only_s"] < 60
         assert "missing: ranks [1]" in r["main_only"] and "is_main_process" in r["main_only"]
         assert len(r["no_state"]) == 1 and "holds no compression state" in r["no_state"][0]
+        # load_state before register_comm_hook: fresh residuals, one warning naming the order
+        assert not torch.equal(r["loaded_first"], r["straight"])
+        (warning,) = r["loaded_first_warnings"]
+        assert "Register the hook right after accelerator.prepare, then call load_state" in warning
 
 
 def test_gradient_accumulation_needs_no_sync(launch):

@@ -138,23 +138,26 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _accelerate_run(first: int, load: bool, register: bool = True, save: bool = False,
-                    folder: str = "accelerate",
-                    main_only: bool = False) -> tuple[object, torch.nn.Module, object]:
+                    folder: str = "accelerate", main_only: bool = False,
+                    load_first: bool = False) -> tuple[object, torch.nn.Module, object]:
     """Train steps first..STEPS-1 from a fresh model with a new Accelerator (after load_state
     from `folder` when `load`); with `save`, save_state after step SAVE_AT - 1 (on the main
-    process alone with `main_only`, as many scripts do)."""
+    process alone with `main_only`, as many scripts do; `load_first`: load_state before
+    register_comm_hook)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
     model = network()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if load_first:
+        accelerator.load_state(str(outdir() / folder))
     if register:
         state = spardl_grace.accelerate.register_comm_hook(accelerator, model, PARAMS)
     else:  # the hook by hand: the saved compression state is not read
         state = spardl_grace.CommHookState(PARAMS, model)
         model.register_comm_hook(state, spardl_grace.comm_hook)
-    if load:
+    if load and not load_first:
         accelerator.load_state(str(outdir() / folder))
     for step in range(first, STEPS):
         x, y = _batch(step, accelerator.process_index)
@@ -194,6 +197,9 @@ def accelerate_resume(transport) -> dict:
     accelerator, straight, state = _accelerate_run(0, load=False, save=True)
     _, resumed, _ = _accelerate_run(SAVE_AT, load=True)
     _, without_state, _ = _accelerate_run(SAVE_AT, load=True, register=False)
+    with warnings.catch_warnings(record=True) as loaded_first_warnings:
+        warnings.simplefilter("always")
+        _, loaded_first, _ = _accelerate_run(SAVE_AT, load=True, load_first=True)
     # saved from the main process alone: no stall; resuming from it raises on every rank
     started = time.monotonic()
     _accelerate_run(0, load=False, save=True, folder="main_only", main_only=True)
@@ -222,7 +228,10 @@ def accelerate_resume(transport) -> dict:
             "bytes_sent": state.last_stats["bytes_sent"], "steps": state.sync.steps,
             "distributed_type": str(accelerator.distributed_type), "twice": twice,
             "main_only_s": main_only_s, "main_only": main_only,
-            "no_state": [str(w.message) for w in caught if "spardl_grace" in str(w.message)]}
+            "no_state": [str(w.message) for w in caught if "spardl_grace" in str(w.message)],
+            "loaded_first": flat(loaded_first),
+            "loaded_first_warnings": [str(w.message) for w in loaded_first_warnings
+                                      if "spardl_grace" in str(w.message)]}
 
 
 def accumulation(transport) -> dict:
