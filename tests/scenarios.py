@@ -390,3 +390,25 @@ def killed_peer(transport) -> dict:
     if transport.rank == transport.size - 1:
         os._exit(0)
     return _wait_for_last_rank(transport) if transport.rank == 0 else {}
+
+
+def private_group_released(transport) -> dict:
+    """Under torchrun: a transport's own process group, released as the exit handler releases
+    it (torch_dist._release), is destroyed and no longer referenced, so it cannot outlive the
+    interpreter; the transport was recorded for the exit handler."""
+    import torch.distributed as dist
+
+    from spardl_grace.transport import torch_dist
+
+    other = torch_dist.TorchDistTransport(timeout=30)
+    summed = other.allreduce(torch.ones(1), "before")
+    group = other.group
+    torch_dist._release(other)
+    try:
+        dist.get_process_group_ranks(group)
+        destroyed = False
+    except KeyError:  # torch forgot the group
+        destroyed = True
+    return {"summed": float(summed[0]), "dropped": "group" not in other.__dict__,
+            "destroyed": destroyed,
+            "recorded": any(ref() is other for ref in torch_dist._PRIVATE_GROUPS)}

@@ -8,8 +8,10 @@ a sendrecv whose caller knows the size (recv_numel) skips that round trip.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import weakref
 from datetime import timedelta
 
 import torch
@@ -82,6 +84,35 @@ def private_group(group: dist.ProcessGroup | None, timeout: float) -> dist.Proce
     return made
 
 
+#: the library's process groups, released at exit (_release_groups)
+_PRIVATE_GROUPS: list[weakref.ref[TorchDistTransport]] = []
+
+
+def _release_groups() -> None:
+    """At interpreter exit, while it is still whole, _release every transport's group. A group
+    the library kept referenced outlived the user's destroy_process_group() and was destroyed
+    during finalisation, where gloo's worker threads, freeing tensors they still held, took
+    the GIL of an interpreter being torn down: SIGABRT ("terminate called without an active
+    exception") after all work was done, in about one FSDP2 flat_shard exit in four."""
+    for ref in _PRIVATE_GROUPS:
+        transport = ref()
+        if transport is not None:
+            _release(transport)
+    _PRIVATE_GROUPS.clear()
+
+
+def _release(transport: TorchDistTransport) -> None:
+    """Destroy `transport`'s own process group, unless the user's destroy_process_group() did,
+    and drop the transport's reference to it (the transport cannot send afterwards)."""
+    group = transport.__dict__.pop("group", None)
+    if group is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except (ValueError, RuntimeError):  # already destroyed with the default group
+        pass
+
+
 class TorchDistTransport(PointToPoint, Transport):
     """Transport over an initialised torch.distributed process group.
 
@@ -107,6 +138,9 @@ class TorchDistTransport(PointToPoint, Transport):
         except RuntimeError as exc:  # a peer that died or froze while the groups were made
             fail_job_at_exit("torch", exit_with_failure)
             raise backend_failure(exc, dist.get_rank(), "the library's own process group") from exc
+        if not _PRIVATE_GROUPS:
+            atexit.register(_release_groups)
+        _PRIVATE_GROUPS.append(weakref.ref(self))
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self.timeout = timeout
@@ -209,10 +243,11 @@ def destroy_and_exit(code: int = 0) -> None:
     """Destroy the default process group and end this worker process at once.
 
     With torch 2.13, gloo's worker threads can still hold tensors while the interpreter
-    finalises, and about one worker exit in six then aborts with "terminate called without an
-    active exception" (SIGABRT) although all work is done (the race is described in
-    pytorch/pytorch PR 179291). Ending the process without finalisation avoids it; call this
-    last, after results are written."""
+    finalises, and a worker exit can then abort with "terminate called without an active
+    exception" (SIGABRT) although all work is done (the race is described in pytorch/pytorch
+    PR 179291). The library's own groups are released before finalisation (_release_groups);
+    a group of the user's kept alive past it is not, and ending the process without
+    finalisation avoids the race for those too; call this last, after results are written."""
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
