@@ -12,6 +12,7 @@ import torch
 from training_scenarios import batches, flat_params, mlp
 
 import spardl_grace
+from spardl_grace.broadcast import broadcast_object
 
 PARAMS = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
           "compress_ratio": 0.05, "min_entries": 0}
@@ -93,8 +94,8 @@ def padded_with_zero_gradients(transport, params: dict = PARAMS,
         spardl_grace.broadcast_parameters(model.named_parameters(), root, transport)
         spardl_grace.broadcast_optimizer_state(opt, root, transport)
         if sched is not None:
-            sched.load_state_dict(spardl_grace.broadcast_object(sched.state_dict(), root,
-                                                                transport, "schedule"))
+            sched.load_state_dict(broadcast_object(sched.state_dict(), root, transport,
+                                                   "schedule"))
     return _outcome(model, opt, schedule=_schedule_of(opt, sched))
 
 
@@ -149,7 +150,7 @@ def _ddp_job(padded: bool, epochs: tuple[list[int], ...] = DDP_EPOCHS,
                 root = len(counts) - 1 - counts[::-1].index(max(counts))
                 spardl_grace.broadcast_parameters(model.named_parameters(), root)
                 spardl_grace.broadcast_optimizer_state(sgd, root)
-                sched.load_state_dict(spardl_grace.broadcast_object(sched.state_dict(), root))
+                sched.load_state_dict(broadcast_object(sched.state_dict(), root))
     return {"params": flat_params(model), "steps": state.synchronized_steps,
             "schedule": _schedule_of(sgd, sched),
             "momentum": [s["momentum_buffer"] for s in sgd.state_dict()["state"].values()],
