@@ -64,8 +64,11 @@ class AllRanksState:
         if saved["world_size"] != transport.size:
             raise ValueError(
                 f"the compression state was saved by {saved['world_size']} ranks; this run has "
-                f"{transport.size}: residuals cannot be split or merged across ranks (start "
-                "without them, i.e. a fresh state, to change the number of ranks)"
+                f"{transport.size}: residuals cannot be split or merged across ranks. To "
+                "change the number of ranks, resume without them: from a Lightning checkpoint, "
+                "delete the GradientCompression callback's entry under its 'callbacks' "
+                "(torch.load, del, torch.save), and the model and optimizer resume with fresh "
+                "residuals"
             )
         self.state.load_state_dict(saved["ranks"][transport.rank])
 
