@@ -118,3 +118,19 @@ def test_accelerate_refuses_a_model_that_is_not_ddp():
     model = accelerator.prepare(network())
     with pytest.raises(ValueError, match="not the DistributedDataParallel module"):
         spardl_grace.accelerate.register_comm_hook(accelerator, model, PARAMS)
+
+
+def test_a_lightning_checkpoint_of_another_number_of_ranks_says_how_to_resume_without_it():
+    from spardl_grace.trainers import FORMAT, AllRanksState
+    from spardl_grace.transport import run_local
+
+    def fn(transport):
+        state = spardl_grace.CommHookState(
+            spardl_grace.grace_from_params(dict(PARAMS), transport), network())
+        with pytest.raises(ValueError, match="saved by 2 ranks; this run has 1") as raised:
+            AllRanksState(state).load_state_dict({"format": FORMAT, "world_size": 2,
+                                                  "ranks": [{}, {}]})
+        return str(raised.value)
+
+    (message,) = run_local(1, fn)
+    assert "delete the GradientCompression callback's entry under its 'callbacks'" in message
