@@ -29,6 +29,7 @@ thread's on the same process group; by then backward has nothing left to overlap
 # types (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
 import functools
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -122,10 +123,12 @@ class CommHookState:
         self.optimizer_steps = 0
         self._at_last_sync: tuple[int, int] | None = None
         self._warned_unseen_step = False
-        #: whether the first backward since the last synchronisation found the gradients
-        #: None (None: no watched gradient has arrived since), and the parameters watched
+        #: whether every gradient the first backward since the last synchronisation
+        #: accumulated found its parameter's gradient None (None: none arrived yet), and that
+        #: backward's autograd graph task
         self._began_without_gradients: bool | None = None
-        self._watched: set[int] = set()
+        self._first_backward: int | None = None
+        _watch_gradients(self, [p for p in self.names if p.requires_grad])
         #: whether a resume without this state was checked for (at the first optimizer step
         #: after a synchronisation) or already reported (by the trainers' checkpoint load)
         self.resume_checked = False
@@ -164,19 +167,19 @@ class CommHookState:
             tuple(self.names[params[j]] for j in order), tuple(params[j].numel() for j in order)
         ), order
 
-    def watch_gradient_of(self, param: torch.Tensor) -> None:
-        """Note, before its gradient accumulates, whether `param` had none: one parameter a
-        bucket (its first to be computed), so that a backward's first gradient tells whether
-        the user reset the gradients since the last synchronisation."""
-        if id(param) in self._watched:
-            return
-        self._watched.add(id(param))
-
-        def before_accumulation(grad: torch.Tensor) -> None:
-            if self._began_without_gradients is None:
-                self._began_without_gradients = param.grad is None
-
-        param.register_hook(before_accumulation)
+    def gradient_arrives(self, param: torch.Tensor) -> None:
+        """Before `param`'s gradient accumulates (a tensor hook, _watch_gradients): note, for
+        the first backward since the last synchronisation, whether every gradient found its
+        parameter's None, so that a step skipped on purpose (the gradients set to None after
+        the synchronisation) is not taken for accumulation without no_sync()."""
+        task = torch._C._current_graph_task_id()
+        if self._first_backward is None:
+            self._first_backward = task
+            self._began_without_gradients = param.grad is None
+        elif task == self._first_backward:
+            self._began_without_gradients = bool(self._began_without_gradients) and (
+                param.grad is None
+            )
 
     def check_optimizer_stepped(self, previous_finite: bool) -> None:
         """Called once a step is synchronised: ValueError if no optimizer step was seen since
@@ -186,6 +189,7 @@ class CommHookState:
         now = (sum(p._version for p in self.names), self.optimizer_steps)
         previous, self._at_last_sync = self._at_last_sync, now
         reset, self._began_without_gradients = self._began_without_gradients, None
+        self._first_backward = None
         if previous != now or not previous_finite or reset:
             return
         if self.optimizer_steps:
@@ -262,7 +266,6 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     buffer = bucket.buffer()
     params = bucket.parameters()
     canonical, order = state.canonical(params)
-    state.watch_gradient_of(params[order[0]])
     ddp_parts = torch.split(buffer, [p.numel() for p in params])
     reordered = order != sorted(order)
     flat = torch.cat([ddp_parts[j] for j in order]) if reordered else buffer
@@ -276,6 +279,29 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         if _inside_backward():
             state.check_optimizer_stepped(previous_finite)
     return future
+
+
+def _watch_gradients(state: CommHookState, params: list[torch.Tensor]) -> None:
+    """A tensor hook on each of `params` that tells `state` its gradient is arriving (see
+    CommHookState.gradient_arrives). The hooks hold `state` weakly, and go with it, so a model
+    wrapped again keeps no earlier state alive."""
+    ref = weakref.ref(state)
+
+    def hook_for(param: torch.Tensor) -> Any:
+        def before_accumulation(grad: torch.Tensor) -> None:
+            holder = ref()
+            if holder is not None:
+                holder.gradient_arrives(param)
+
+        return before_accumulation
+
+    handles = [p.register_hook(hook_for(p)) for p in params]
+    weakref.finalize(state, _remove, handles)
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _inside_backward() -> bool:

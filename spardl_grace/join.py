@@ -46,14 +46,16 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .agreement import agree
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .step_hooks import state_came_from_a_peer, steps_taken
+from .step_hooks import sharing_state, state_came_from_a_peer, steps_taken
 from .transport import Transport, TransportError, shared_transport
 
 
 @runtime_checkable
 class Stateful(Protocol):
     """What `stateful=` takes: an object with state_dict() and load_state_dict(state), such as
-    a torch LR scheduler or torch.amp.GradScaler (torch.distributed.checkpoint's Stateful)."""
+    a torch LR scheduler or torch.amp.GradScaler (the protocol of
+    torch.distributed.checkpoint's Stateful), whose state is whole on every rank: one rank's is
+    sent to the others, so a sharded state (DTensors) does not belong here."""
 
     def state_dict(self) -> dict[str, Any]:
         """The object's state, as torch.save can write it."""
@@ -114,6 +116,7 @@ class UnevenInputs:
                     "join_uneven_inputs: a step is under way (backward() ran, step() did "
                     "not): enter the block before the loop"
                 )
+        _agree_on_kinds(self.transport, self.stateful)  # before the loop, not after it
         for optimizer in self.optimizers:
             optimizer._join = self
         self._steps_at_entry = [steps_taken(o) for o in self.optimizers]
@@ -203,6 +206,11 @@ def _highest_claim(transport: Transport, claim: int) -> int:
 
 
 def _checked_stateful(objects: Iterable[Stateful]) -> tuple[Stateful, ...]:
+    if isinstance(objects, Stateful) or not isinstance(objects, Iterable):
+        raise TypeError(
+            f"stateful= takes a list of objects, got a {type(objects).__name__}: "
+            "stateful=[scheduler]"
+        )
     objects = tuple(objects)
     for obj in objects:
         if not isinstance(obj, Stateful):
@@ -227,11 +235,7 @@ def _take_states(
     scheduler was built on it, or when its parameter-group settings were not root's (a
     learning rate set by hand from the rank's own count): either way the ranks' learning
     rates differ once it changes them."""
-    agree(
-        transport,
-        "the join's stateful objects",
-        {"kinds": [type(o).__qualname__ for o in stateful]},
-    )
+    _agree_on_kinds(transport, stateful)
     own = [_group_settings(o) for o in optimizers]
     for optimizer in optimizers:
         broadcast_optimizer_state(optimizer, root, transport)
@@ -243,8 +247,13 @@ def _take_states(
             transport,
             f"join.stateful.{i}",
         )
+        failure = ""
         if transport.rank != root:
-            obj.load_state_dict(state)
+            try:
+                obj.load_state_dict(state)
+            except Exception as exc:  # every rank raises below, not this one alone
+                failure = f"{type(exc).__name__}: {exc}"
+        _raise_on_every_rank(transport, failure, f"{type(obj).__qualname__} (stateful[{i}])")
     # by rank: this block's steps of each optimizer, then whether its settings were root's
     seen = torch.zeros(transport.size, len(optimizers) + 1, dtype=torch.int64)
     seen[transport.rank, :-1] = torch.tensor(steps_in_block, dtype=torch.int64)
@@ -278,20 +287,42 @@ def _take_states(
             f"differed from rank {transport.global_rank(root)}'s, whose state every rank took"
         )
     warnings.warn(
-        f"spardl_grace.join: {'; and '.join(why)}. A schedule that counts each rank's own "
-        "steps (a scheduler stepped per batch, a learning rate set from the loop's count) "
-        "gives the ranks different learning rates once it changes them, and their replicas "
-        f"drift apart. Pass the scheduler along: {how_to_pass} (one stepped per epoch may "
-        "go too: its state is the same on every rank)",
+        f"spardl_grace.join: {'; and '.join(why)}. If it counts each rank's own steps (a "
+        "scheduler stepped per batch, a learning rate set from the loop's count), the ranks' "
+        "learning rates differ once it changes them, and their replicas drift apart; one "
+        f"stepped per epoch is safe. Pass the scheduler along either way: {how_to_pass}",
         RuntimeWarning,
         stacklevel=3,
     )
 
 
+def _agree_on_kinds(transport: Transport, stateful: tuple[Stateful, ...]) -> None:
+    agree(
+        transport,
+        "the join's stateful objects",
+        {"kinds": [type(o).__qualname__ for o in stateful]},
+    )
+
+
+def _raise_on_every_rank(transport: Transport, failure: str, what: str) -> None:
+    """ValueError on every rank when any rank's `failure` is not empty (one all-reduce)."""
+    failed = torch.zeros(transport.size, dtype=torch.int64)
+    failed[transport.rank] = int(bool(failure))
+    failed = transport.allreduce(failed, "join.stateful_loaded")
+    if failed.any():
+        ranks = [transport.global_rank(int(r)) for r in torch.nonzero(failed).flatten()]
+        raise ValueError(
+            f"spardl_grace.join: ranks {ranks} could not load the last rank's state of {what}"
+            + (f" ({failure})" if failure else "")
+            + ": give every rank the same kind of object, built alike"
+        )
+
+
 def _has_a_scheduler(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a torch LRScheduler was built on `optimizer` (or on the optimizer it wraps):
-    torch's LRScheduler marks the step it puts on the optimizer to record that it stepped."""
-    return hasattr(optimizer.step, "_wrapped_by_lr_sched")
+    """Whether a torch LRScheduler was built on `optimizer` or on the optimizer it wraps,
+    before the wrap or after it: torch's LRScheduler marks the step it puts on the optimizer
+    to record that it stepped."""
+    return any(hasattr(o.step, "_wrapped_by_lr_sched") for o in sharing_state(optimizer))
 
 
 def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -39,6 +39,12 @@ from .ddp import CommHookState, comm_hook
 from .registry import resolve_params
 from .trainers import AllRanksState
 
+#: how a Lightning checkpoint resumes without the compression state
+_WITHOUT_IT = (
+    "delete the GradientCompression callback's entry under the checkpoint's 'callbacks' "
+    "(torch.load, del, torch.save)"
+)
+
 try:
     import lightning.pytorch as pl
 except ImportError:  # the standalone package
@@ -130,7 +136,7 @@ class GradientCompression(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         """Every rank's compression state, gathered to rank 0, which Lightning writes (a
         collective: Lightning asks every rank)."""
-        return AllRanksState(self._built()).state_dict()
+        return AllRanksState(self._built(), _WITHOUT_IT).state_dict()
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -149,7 +155,7 @@ class GradientCompression(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """This rank's part of a state_dict() (ValueError with another number of ranks)."""
-        AllRanksState(self._built()).load_state_dict(state_dict)
+        AllRanksState(self._built(), _WITHOUT_IT).load_state_dict(state_dict)
 
     def _built(self) -> CommHookState:
         if self.state is None:

@@ -41,7 +41,7 @@ from .horovod_compat import (
 )
 from .memories.residual import ResidualMemory
 from .momentum import momentum_handed_over, taken_over_groups, uses_nesterov
-from .step_hooks import inherit_steps, inner_step
+from .step_hooks import inherit_steps, inner_step, sharing_state
 from .sync import FIRST_STEP_TIMEOUT_S, Bucket, GradientSync, stable_name
 
 
@@ -408,6 +408,9 @@ class _DistributedOptimizer:
         leaves the parameters as they were (see _creates_state)."""
         if self._superseded:
             raise RuntimeError(SUPERSEDED)
+        for shared in sharing_state(cast(torch.optim.Optimizer, self)):
+            # what torch's LRScheduler checks, on whichever of them it was built
+            shared._opt_called = True  # type: ignore[attr-defined]
         if not self._resume_checked and not self._creates_state():
             self._resume_checked = True
             warn_if_resumed_afresh(
@@ -622,7 +625,8 @@ def _step_through_the_wrapper(wrapped: torch.optim.Optimizer, base: torch.optim.
     """A learning-rate scheduler built on `base` before the wrap replaced base.step with an
     instance attribute (torch's LRScheduler records that the optimizer stepped); copied with
     base's state it would shadow the wrapper's step() and step `base` alone, unsynchronised.
-    The wrapper's step() takes its place and records the step for every scheduler of either.
+    The wrapper's step() takes its place (and records the step for every scheduler of either,
+    as any of its steps does).
     TypeError for any other step set on the instance, which would shadow it just the same."""
     own = wrapped.__dict__.get("step")
     if own is None:
@@ -634,14 +638,11 @@ def _step_through_the_wrapper(wrapped: torch.optim.Optimizer, base: torch.optim.
             "shadow DistributedOptimizer's step(): wrap the optimizer first, then patch the "
             "wrapper's step"
         )
-    wrapper_ref, base_ref = weakref.ref(wrapped), weakref.ref(base)
+    wrapper_ref = weakref.ref(wrapped)
 
     def step(*args: Any, **kwargs: Any) -> Any:
-        wrapper, original = wrapper_ref(), base_ref()
+        wrapper = wrapper_ref()
         assert wrapper is not None
-        for optimizer in (wrapper, original):
-            if optimizer is not None:
-                optimizer._opt_called = True  # type: ignore[attr-defined]
         return type(wrapper).step(wrapper, *args, **kwargs)
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]

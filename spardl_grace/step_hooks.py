@@ -58,13 +58,21 @@ _SHARES_STATE_OF: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.optim.O
 )
 
 
+def sharing_state(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """`optimizer`, then the optimizer whose state it shares (inherit_steps), and so on."""
+    chain = []
+    current: torch.optim.Optimizer | None = optimizer
+    while current is not None:
+        chain.append(current)
+        current = _SHARES_STATE_OF.get(current)
+    return chain
+
+
 def _count(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if optimizer in _INNER:
         return
-    current: torch.optim.Optimizer | None = optimizer
-    while current is not None:
+    for current in sharing_state(optimizer):
         _STEPS_TAKEN[current] = _STEPS_TAKEN.get(current, 0) + 1
-        current = _SHARES_STATE_OF.get(current)
 
 
 @contextmanager

@@ -28,14 +28,16 @@ FORMAT = "spardl-grace every rank's compression state, 1"
 
 class AllRanksState:
     """Saves and restores the compression state of every rank of a CommHookState through a
-    checkpoint that holds one dict for all ranks."""
+    checkpoint that holds one dict for all ranks. `without_it`: how to resume that checkpoint
+    without the state (the error for another number of ranks says it)."""
 
-    def __init__(self, state: CommHookState):
+    def __init__(self, state: CommHookState, without_it: str):
         if not isinstance(state, CommHookState):
             raise TypeError(
                 f"state must be a spardl_grace.CommHookState, got {type(state).__name__}"
             )
         self.state = state
+        self.without_it = without_it
 
     def state_dict(self) -> dict[str, Any]:
         """On rank 0, every rank's state_dict() in rank order; on the others, their own alone
@@ -65,10 +67,8 @@ class AllRanksState:
             raise ValueError(
                 f"the compression state was saved by {saved['world_size']} ranks; this run has "
                 f"{transport.size}: residuals cannot be split or merged across ranks. To "
-                "change the number of ranks, resume without them: from a Lightning checkpoint, "
-                "delete the GradientCompression callback's entry under its 'callbacks' "
-                "(torch.load, del, torch.save), and the model and optimizer resume with fresh "
-                "residuals"
+                f"change the number of ranks, resume without them: {self.without_it}, and the "
+                "model and optimizer resume with fresh residuals"
             )
         self.state.load_state_dict(saved["ranks"][transport.rank])
 
@@ -172,6 +172,6 @@ def _load_legacy(state: CommHookState, folder: Path) -> bool:
         except Exception:  # another object's state, in any format
             continue
         if isinstance(saved, dict) and saved.get("format") == FORMAT:
-            AllRanksState(state).load_state_dict(saved)
+            AllRanksState(state, f"delete {candidate.name}").load_state_dict(saved)
             return True
     return False

@@ -398,7 +398,7 @@ def private_group_released(transport) -> dict:
     interpreter; the transport was recorded for the exit handler."""
     import torch.distributed as dist
 
-    from spardl_grace.transport import torch_dist
+    from spardl_grace.transport import TransportError, torch_dist
 
     other = torch_dist.TorchDistTransport(timeout=30)
     summed = other.allreduce(torch.ones(1), "before")
@@ -409,6 +409,11 @@ def private_group_released(transport) -> dict:
         destroyed = False
     except KeyError:  # torch forgot the group
         destroyed = True
-    return {"summed": float(summed[0]), "dropped": "group" not in other.__dict__,
-            "destroyed": destroyed,
+    try:
+        other.allreduce(torch.ones(1), "after")
+        after = ""
+    except TransportError as exc:
+        after = str(exc)
+    return {"summed": float(summed[0]), "dropped": other._group is None,
+            "destroyed": destroyed, "after": "released at interpreter exit" in after,
             "recorded": any(ref() is other for ref in torch_dist._PRIVATE_GROUPS)}

@@ -52,20 +52,22 @@ def test_wrapped_optimizer_is_still_the_users_optimizer():
 def test_a_scheduler_built_before_the_wrap_steps_the_synchronised_optimizer():
     """torch's LRScheduler replaces optimizer.step on the instance to record that it stepped;
     copied into the wrapper, that step shadowed the wrapper's and stepped the plain optimizer,
-    unsynchronised (the next zero_grad then said step() had not been called). Built before the
-    wrap, the scheduler now steps with a synchronised step, as one built after it does, and
-    torch does not warn that the scheduler stepped before the optimizer."""
+    unsynchronised (the next zero_grad then said step() had not been called). Built on the
+    plain optimizer before the wrap or after it, or on the wrapper, the scheduler steps with a
+    synchronised step, to the same bits, and torch does not warn that the scheduler stepped
+    before the optimizer."""
     import warnings
 
-    def fn(t, before):
+    def fn(t, where):
         model = ts.mlp()
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if before:
+        if where == "plain, before the wrap":
             scheduler = torch.optim.lr_scheduler.LambdaLR(adamw, lambda k: 1 / (1 + k))
         opt = DistributedOptimizer(adamw, grace_from_params(ts.params_for("spardl"), transport=t),
                                    named_parameters=model.named_parameters())
-        if not before:
-            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (1 + k))
+        if where != "plain, before the wrap":
+            on = adamw if where == "plain, after the wrap" else opt
+            scheduler = torch.optim.lr_scheduler.LambdaLR(on, lambda k: 1 / (1 + k))
         for x, y in ts.batches(t.rank, t.size, 3):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -75,12 +77,14 @@ def test_a_scheduler_built_before_the_wrap_steps_the_synchronised_optimizer():
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        before = run_local(2, fn, True)
-        after = run_local(2, fn, False)
+        runs = {where: run_local(2, fn, where) for where in
+                ("plain, before the wrap", "plain, after the wrap", "the wrapper")}
     assert not [w for w in caught if "lr_scheduler" in str(w.message)]
-    for b, a in zip(before, after):
-        assert b[:2] == a[:2] == (3, pytest.approx(1e-3 / 4))
-        assert torch.equal(b[2], a[2]) and torch.equal(b[2], before[0][2])
+    reference = runs["the wrapper"][0][2]
+    for where, ranks in runs.items():
+        for steps, lr, params in ranks:
+            assert (steps, lr) == (3, pytest.approx(1e-3 / 4)), where
+            assert torch.equal(params, reference), where
 
 
 def test_a_step_replaced_on_the_optimizer_instance_is_refused():
@@ -462,10 +466,12 @@ def test_the_ddp_hook_takes_the_users_sgd_momentum_over_as_the_optimizer_does(la
     DistributedOptimizer's bit for bit (before, the hook left the SGD's momentum on and the
     momentum was applied twice, silently); the SGD's groups are as built and it holds no
     momentum buffer; nesterov, which the memory must know from the first backward, is
-    refused under the hook. The same with 'momentum_masking': False, which trains otherwise."""
+    refused under the hook. The same with 'momentum_masking': False, which trains otherwise;
+    and stepped with a closure (Lightning's way), the same bits."""
     for r in launch("gloo", 2, "training_scenarios.ddp_momentum_correction"):
         for suffix in ("", "_unmasked"):
             assert torch.equal(r[f"ddp{suffix}"], r[f"optimizer{suffix}"]), suffix
+            assert torch.equal(r[f"closure{suffix}"], r[f"ddp{suffix}"]), suffix
             assert r[f"group{suffix}"] == (0.9, 1e-3, False) and r[f"buffers{suffix}"] == 0
         assert not torch.equal(r["ddp"], r["ddp_unmasked"])
         assert "use spardl_grace.DistributedOptimizer, or nesterov=False" in r["nesterov"]

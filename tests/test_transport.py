@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import scenarios
-from conftest import ROOT, _env, worker_command
+from conftest import ROOT, _env, require, worker_command
 from spardl_grace.transport.threads import cores, local_size, oversubscription
 from spardl_grace.transport import (CountingTransport, TransportError, TransportTimeout,
                                     default_transport, run_local)
@@ -260,7 +260,20 @@ def test_the_librarys_own_process_group_is_released_before_the_interpreter_ends(
     the user's destroy_process_group(), into interpreter finalisation. An exit handler now
     destroys it and drops the reference while the interpreter is whole."""
     for r in launch("gloo", 2, "private_group_released"):
-        assert r == {"summed": 2.0, "dropped": True, "destroyed": True, "recorded": True}
+        assert r == {"summed": 2.0, "dropped": True, "destroyed": True, "after": True,
+                     "recorded": True}
+
+
+def test_the_exit_handler_releases_the_group_when_a_script_ends_normally(tmp_path):
+    """The handler is registered with the first transport and runs at a plain exit, after the
+    user's destroy_process_group(); the job exits 0."""
+    from benchmarks.launch import launcher_command
+    require("gloo")
+    cmd = launcher_command("gloo", 2, [str(ROOT / "tests" / "exit_release_worker.py"),
+                                       str(tmp_path)])
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["True", "True"]
 
 
 def launch_two_ranks(backend: str, scenario: str, tmp_path) -> int:

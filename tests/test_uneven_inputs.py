@@ -200,9 +200,26 @@ def test_the_ranks_must_give_the_block_the_same_kinds_of_stateful_objects():
                 pass
         with pytest.raises(TypeError, match=r"state_dict.*got int"):
             spardl_grace.join_uneven_inputs(opt, stateful=[3])
+        with pytest.raises(TypeError, match=r"stateful=\[scheduler\]"):
+            spardl_grace.join_uneven_inputs(opt, stateful=us._per_batch_schedule(opt))
+        # a state the others cannot load (here: rank 0 refuses rank 1's): every rank raises
+        with pytest.raises(ValueError, match=r"ranks \[0\] could not load .*_Picky"):
+            with spardl_grace.join_uneven_inputs(opt, stateful=[_Picky(transport.rank)]):
+                pass
         return "raised"
 
     assert run_local(2, fn) == ["raised", "raised"]
+
+
+class _Picky:
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank}
+
+    def load_state_dict(self, state: dict) -> None:
+        raise KeyError(f"rank {self.rank} takes no state of rank {state['rank']}")
 
 
 def test_auto_plans_alike_on_every_rank_while_some_ranks_have_no_data():

@@ -70,6 +70,7 @@ def test_a_step_skipped_on_purpose_under_the_ddp_hook_is_not_taken_for_accumulat
             assert torch.equal(r[run]["params"], ranks[0][run]["params"])
         assert torch.equal(r["bucket_view"]["params"], r["skipped"]["params"])
         assert "zero_grad(set_to_none=True)" in r["zeroed_in_place"]["error"]
+        assert "synchronised the gradients twice" in r["one_reset"]["error"]
 
 
 def test_gradients_arriving_on_two_autograd_threads_launch_each_bucket_once():

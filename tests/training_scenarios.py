@@ -75,6 +75,22 @@ def train(model, optimizer, rank: int, size: int, steps: int, start: int = 0) ->
     return losses
 
 
+def train_with_closure(model, optimizer, rank: int, size: int, steps: int) -> None:
+    """train()'s loop with the forward and backward in a closure given to step(), as
+    Lightning's automatic optimisation runs it: by keyword on even steps, positionally on odd
+    ones."""
+    for step, (x, y) in enumerate(batches(rank, size, steps)):
+        def closure(x=x, y=y):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        if step % 2:
+            optimizer.step(closure)
+        else:
+            optimizer.step(closure=closure)
+
+
 def make_optimizer(model, grc, **kwargs):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return DistributedOptimizer(sgd, grc, named_parameters=model.named_parameters(), **kwargs)
@@ -113,9 +129,9 @@ def ddp_matches_optimizer(transport, steps: int = 12, dense_warmup_steps: int = 
 
 def ddp_momentum_correction(transport, steps: int = 8) -> dict:
     """Momentum correction 0.9 with the user's SGD(momentum=0.9, weight_decay=1e-3) as built,
-    through DDP + comm_hook and through DistributedOptimizer, with DGC's masking and without
-    ('momentum_masking': False); then nesterov=True under the hook (needs torch.distributed:
-    torchrun)."""
+    through DDP + comm_hook (stepped plainly and with a closure) and through
+    DistributedOptimizer, with DGC's masking and without ('momentum_masking': False); then
+    nesterov=True under the hook (needs torch.distributed: torchrun)."""
     mc = {**params_for("spardl"), "momentum_correction": 0.9}
 
     def sgd(params, **kwargs):
@@ -133,8 +149,14 @@ def ddp_momentum_correction(transport, steps: int = 8) -> dict:
         train(model, DistributedOptimizer(sgd(model.parameters()), grc,
                                           named_parameters=model.named_parameters()),
               transport.rank, transport.size, steps)
+        closure_model = mlp()
+        closure_ddp = torch.nn.parallel.DistributedDataParallel(closure_model)
+        closure_ddp.register_comm_hook(CommHookState(params, closure_ddp), comm_hook)
+        train_with_closure(closure_ddp, sgd(closure_ddp.parameters()), transport.rank,
+                           transport.size, steps)
         group = users.param_groups[0]
         out.update({f"ddp{suffix}": flat_params(ddp_model),
+                    f"closure{suffix}": flat_params(closure_model),
                     f"optimizer{suffix}": flat_params(model),
                     f"group{suffix}": (group["momentum"], group["weight_decay"],
                                        group["nesterov"]),
@@ -178,13 +200,7 @@ def ddp_frozen_adam(transport, steps: int = 8, freeze: int = 3) -> dict:
     closure_ddp = torch.nn.parallel.DistributedDataParallel(closure_model)
     closure_ddp.register_comm_hook(CommHookState(params, closure_ddp), comm_hook)
     closure_users = adamw(closure_ddp)
-    for x, y in batches(transport.rank, transport.size, steps):
-        def closure(x=x, y=y):
-            closure_users.zero_grad()
-            loss = torch.nn.functional.cross_entropy(closure_ddp(x), y)
-            loss.backward()
-            return loss
-        closure_users.step(closure)
+    train_with_closure(closure_ddp, closure_users, transport.rank, transport.size, steps)
     sgd = _first_step_error(transport, params, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     first = next(ddp_model.parameters())
     return {"ddp": flat_params(ddp_model), "optimizer": flat_params(model), "sgd": sgd,

@@ -228,10 +228,11 @@ def a_skipped_step_under_the_ddp_hook(_transport) -> dict:
     """LLM training's loss-spike guard: at step 2 the loop drops the step, zero_grad() and
     continue, with no optimizer step (the hook raised 'synchronised the gradients twice' at the
     next backward). With set_to_none=False the zeroed gradients look like an accumulation, and
-    the error says how to skip; gradient_as_bucket_view too."""
+    the error says how to skip; gradient_as_bucket_view too; and an accumulation in which one
+    parameter's gradient alone was set to None still raises."""
     import torch.distributed as dist
 
-    def run(set_to_none: bool, bucket_view: bool = False) -> dict:
+    def run(set_to_none: bool, bucket_view: bool = False, one_reset: bool = False) -> dict:
         model = _model()
         ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
         state = spardl_grace.CommHookState(dict(PARAMS), ddp)
@@ -243,13 +244,16 @@ def a_skipped_step_under_the_ddp_hook(_transport) -> dict:
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
                 if step != 2:
                     sgd.step()
-                sgd.zero_grad(set_to_none=set_to_none)
+                if one_reset and step == 2:  # accumulation, one gradient reset: no skip
+                    model[-1].bias.grad = None
+                else:
+                    sgd.zero_grad(set_to_none=set_to_none)
         except ValueError as exc:
             return {"error": str(exc)}
         return {"params": flat_params(model), "steps": state.sync.steps}
 
     return {"skipped": run(True), "bucket_view": run(True, bucket_view=True),
-            "zeroed_in_place": run(False)}
+            "zeroed_in_place": run(False), "one_reset": run(True, one_reset=True)}
 
 
 def _distributed_optimizer(model, lr: float = 0.05):

@@ -103,8 +103,8 @@ def _release_groups() -> None:
 
 def _release(transport: TorchDistTransport) -> None:
     """Destroy `transport`'s own process group, unless the user's destroy_process_group() did,
-    and drop the transport's reference to it (the transport cannot send afterwards)."""
-    group = transport.__dict__.pop("group", None)
+    and drop the transport's reference to it (it raises TransportError if used afterwards)."""
+    group, transport._group = transport._group, None
     if group is None or not dist.is_initialized():
         return
     try:
@@ -134,7 +134,7 @@ class TorchDistTransport(PointToPoint, Transport):
         self.backend = backend_spec(group)
         self.user_group = group
         try:
-            self.group = private_group(group, timeout)
+            self._group: dist.ProcessGroup | None = private_group(group, timeout)
         except RuntimeError as exc:  # a peer that died or froze while the groups were made
             fail_job_at_exit("torch", exit_with_failure)
             raise backend_failure(exc, dist.get_rank(), "the library's own process group") from exc
@@ -151,6 +151,17 @@ class TorchDistTransport(PointToPoint, Transport):
         """The default group's rank of `rank` in this transport's group."""
         return dist.get_global_rank(self.group, rank)
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The library's own process group (private_group)."""
+        if self._group is None:
+            raise TransportError(
+                "this transport's process group was released at interpreter exit, before "
+                "torch finalises (an exit handler registered earlier than the transport's "
+                "first use ran after it)"
+            )
+        return self._group
+
     def _complete(self, issue, name: str) -> None:
         """Issue the ops (`issue()` returns their works) and wait for them. A dead peer can
         make gloo fail while posting an op as well as while waiting: both become
@@ -158,6 +169,8 @@ class TorchDistTransport(PointToPoint, Transport):
         try:
             for w in issue():
                 w.wait(timeout=timedelta(seconds=self.timeout))
+        except TransportError:  # the group was released: no peer failed
+            raise
         except RuntimeError as exc:
             raise self._failure(exc, name) from exc
 
@@ -221,8 +234,9 @@ class TorchDistTransport(PointToPoint, Transport):
         done before this returns."""
         if not tensor.is_contiguous() or tensor.device != self._device:
             return super().allreduce_async_(tensor, name)
+        group = self.group
         try:
-            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            work = dist.all_reduce(tensor, group=group, async_op=True)
         except RuntimeError as exc:
             raise self._failure(exc, name) from exc
         future = work.get_future().then(lambda done: (done.value(), tensor)[1])
@@ -245,9 +259,10 @@ def destroy_and_exit(code: int = 0) -> None:
     With torch 2.13, gloo's worker threads can still hold tensors while the interpreter
     finalises, and a worker exit can then abort with "terminate called without an active
     exception" (SIGABRT) although all work is done (the race is described in pytorch/pytorch
-    PR 179291). The library's own groups are released before finalisation (_release_groups);
-    a group of the user's kept alive past it is not, and ending the process without
-    finalisation avoids the race for those too; call this last, after results are written."""
+    PR 179291). The library's own torch.distributed groups are released before finalisation
+    (_release_groups); a group of the user's kept alive past it, and the gloo channel of the
+    Horovod transport, are not, and ending the process without finalisation avoids the race
+    for those too; call this last, after results are written."""
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
