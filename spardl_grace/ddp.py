@@ -172,14 +172,14 @@ class CommHookState:
         the first backward since the last synchronisation, whether every gradient found its
         parameter's None, so that a step skipped on purpose (the gradients set to None after
         the synchronisation) is not taken for accumulation without no_sync()."""
+        if self._began_without_gradients is False:  # decided until the next synchronisation
+            return
         task = torch._C._current_graph_task_id()
         if self._first_backward is None:
             self._first_backward = task
             self._began_without_gradients = param.grad is None
         elif task == self._first_backward:
-            self._began_without_gradients = bool(self._began_without_gradients) and (
-                param.grad is None
-            )
+            self._began_without_gradients = param.grad is None
 
     def check_optimizer_stepped(self, previous_finite: bool) -> None:
         """Called once a step is synchronised: ValueError if no optimizer step was seen since

@@ -229,17 +229,18 @@ def _take_states(
     steps_in_block: list[int],
     how_to_pass: str,
 ) -> None:
-    """Every rank takes root's optimizer states and `stateful` states, then warns (every rank,
-    at once) about each optimizer none of whose schedulers came along when the ranks took
-    different numbers of its steps in the block (`steps_in_block`, this rank's) and a torch
-    scheduler was built on it, or when its parameter-group settings were not root's (a
-    learning rate set by hand from the rank's own count): either way the ranks' learning
-    rates differ once it changes them."""
-    _agree_on_kinds(transport, stateful)
+    """Every rank takes root's optimizer states and `stateful` states (the ranks agreed on
+    their kinds first: _agree_on_kinds), raises ValueError on every rank when some rank could
+    not load one, then warns (every rank, at once) about each optimizer none of whose
+    schedulers came along when the ranks took different numbers of its steps in the block
+    (`steps_in_block`, this rank's) and a torch scheduler was built on it, or when its
+    parameter-group settings were not root's (a learning rate set by hand from the rank's own
+    count): either way the ranks' learning rates differ once it changes them."""
     own = [_group_settings(o) for o in optimizers]
     for optimizer in optimizers:
         broadcast_optimizer_state(optimizer, root, transport)
         state_came_from_a_peer(optimizer)
+    failed, failure = 0, ""
     for i, obj in enumerate(stateful):
         state = broadcast_object(
             obj.state_dict() if transport.rank == root else None,
@@ -247,23 +248,31 @@ def _take_states(
             transport,
             f"join.stateful.{i}",
         )
-        failure = ""
-        if transport.rank != root:
+        if transport.rank != root and not failed:
             try:
                 obj.load_state_dict(state)
             except Exception as exc:  # every rank raises below, not this one alone
-                failure = f"{type(exc).__name__}: {exc}"
-        _raise_on_every_rank(transport, failure, f"{type(obj).__qualname__} (stateful[{i}])")
-    # by rank: this block's steps of each optimizer, then whether its settings were root's
-    seen = torch.zeros(transport.size, len(optimizers) + 1, dtype=torch.int64)
-    seen[transport.rank, :-1] = torch.tensor(steps_in_block, dtype=torch.int64)
-    seen[transport.rank, -1] = int(
+                failed, failure = i + 1, f" ({type(exc).__name__}: {exc})"
+    # by rank: this block's steps of each optimizer, whether its settings were root's, and
+    # the first stateful object it could not load (1-based; 0: none), in one all-reduce
+    seen = torch.zeros(transport.size, len(optimizers) + 2, dtype=torch.int64)
+    seen[transport.rank, :-2] = torch.tensor(steps_in_block, dtype=torch.int64)
+    seen[transport.rank, -2] = int(
         any(
             _group_settings(o) != settings and not _scheduled_in(o, stateful)
             for o, settings in zip(optimizers, own)
         )
     )
+    seen[transport.rank, -1] = failed
     seen = transport.allreduce(seen, "join.steps_and_settings")
+    if seen[:, -1].any():
+        ranks = [transport.global_rank(int(r)) for r in torch.nonzero(seen[:, -1]).flatten()]
+        obj = stateful[int(seen[:, -1][seen[:, -1] > 0].min()) - 1]
+        raise ValueError(
+            f"spardl_grace.join: ranks {ranks} could not load the last rank's state of "
+            f"{type(obj).__qualname__}{failure}: give every rank the same kind of object, "
+            "built alike"
+        )
     uneven = [
         seen[:, i].tolist()
         for i, o in enumerate(optimizers)
@@ -271,7 +280,7 @@ def _take_states(
         and not _scheduled_in(o, stateful)
         and len(set(seen[:, i].tolist())) > 1
     ]
-    differed = [transport.global_rank(int(r)) for r in torch.nonzero(seen[:, -1]).flatten()]
+    differed = [transport.global_rank(int(r)) for r in torch.nonzero(seen[:, -2]).flatten()]
     if not uneven and not differed:
         return
     why = []
@@ -302,20 +311,6 @@ def _agree_on_kinds(transport: Transport, stateful: tuple[Stateful, ...]) -> Non
         "the join's stateful objects",
         {"kinds": [type(o).__qualname__ for o in stateful]},
     )
-
-
-def _raise_on_every_rank(transport: Transport, failure: str, what: str) -> None:
-    """ValueError on every rank when any rank's `failure` is not empty (one all-reduce)."""
-    failed = torch.zeros(transport.size, dtype=torch.int64)
-    failed[transport.rank] = int(bool(failure))
-    failed = transport.allreduce(failed, "join.stateful_loaded")
-    if failed.any():
-        ranks = [transport.global_rank(int(r)) for r in torch.nonzero(failed).flatten()]
-        raise ValueError(
-            f"spardl_grace.join: ranks {ranks} could not load the last rank's state of {what}"
-            + (f" ({failure})" if failure else "")
-            + ": give every rank the same kind of object, built alike"
-        )
 
 
 def _has_a_scheduler(optimizer: torch.optim.Optimizer) -> bool:
@@ -373,7 +368,8 @@ def join_uneven_inputs(
     DistributedOptimizer (the DDP hook takes torch's Join), ValueError for one without
     trainable parameters, one already in a block, or optimizers on different transports;
     TypeError for a `stateful` object without state_dict/load_state_dict, and ValueError on
-    every rank at the block's end when the ranks gave different kinds of them."""
+    every rank as the block begins when the ranks gave different kinds of them, and at its
+    end when some rank cannot load the last rank's state of one."""
     return UnevenInputs(optimizers, stateful)
 
 
@@ -438,6 +434,7 @@ class _BroadcastStateAtEnd(JoinHook):
         """Every rank takes the optimizer state of the rank DDP's Join takes the parameters
         from: the highest rank among the last to join (DDP's _sync_final_model's rule)."""
         transport = self.joinable.transport or shared_transport()
+        _agree_on_kinds(transport, self.joinable.stateful)
         root = _highest_claim(transport, int(is_last_joiner))
         _take_states(
             transport,

@@ -621,32 +621,21 @@ class _DistributedOptimizer:
         self._outer_buffers = placed(outer["momentum"])
 
 
-def _step_through_the_wrapper(wrapped: torch.optim.Optimizer, base: torch.optim.Optimizer) -> None:
-    """A learning-rate scheduler built on `base` before the wrap replaced base.step with an
-    instance attribute (torch's LRScheduler records that the optimizer stepped); copied with
-    base's state it would shadow the wrapper's step() and step `base` alone, unsynchronised.
-    The wrapper's step() takes its place (and records the step for every scheduler of either,
-    as any of its steps does).
-    TypeError for any other step set on the instance, which would shadow it just the same."""
-    own = wrapped.__dict__.get("step")
-    if own is None:
-        return
-    if not getattr(own, "_wrapped_by_lr_sched", False):
+def _step_through_the_wrapper(wrapped: torch.optim.Optimizer) -> None:
+    """A learning-rate scheduler built on the optimizer before the wrap replaced its step with
+    an instance attribute (torch's LRScheduler records that the optimizer stepped); copied
+    with the optimizer's state it would shadow the wrapper's step() and step the plain
+    optimizer alone, unsynchronised. It goes: the wrapper's own step() records the step for
+    every scheduler of either (_DistributedOptimizer.step). TypeError for any other step set
+    on the instance, which would shadow it just the same."""
+    own = wrapped.__dict__.pop("step", None)
+    if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
         name = getattr(own, "__qualname__", own)
         raise TypeError(
             f"the optimizer's step was replaced on the instance ({name!r}), which would "
             "shadow DistributedOptimizer's step(): wrap the optimizer first, then patch the "
             "wrapper's step"
         )
-    wrapper_ref = weakref.ref(wrapped)
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        wrapper = wrapper_ref()
-        assert wrapper is not None
-        return type(wrapper).step(wrapper, *args, **kwargs)
-
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    wrapped.__dict__["step"] = step
 
 
 def DistributedOptimizer(
@@ -743,7 +732,7 @@ def DistributedOptimizer(
     )
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    _step_through_the_wrapper(cast(torch.optim.Optimizer, wrapped), optimizer)
+    _step_through_the_wrapper(cast(torch.optim.Optimizer, wrapped))
     inherit_steps(cast(torch.optim.Optimizer, wrapped), optimizer)  # its state came from them
     if hasattr(wrapped, "_patch_step_function"):  # torch's step hooks and profiling
         wrapped._patch_step_function()
