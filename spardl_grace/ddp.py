@@ -49,6 +49,15 @@ from .sync import (
     stable_name,
 )
 
+#: why the hook refuses DDP under compiled autograd's Python reducer
+PYTHON_REDUCER = (
+    "spardl_grace's DDP hook synchronises DDP's gradient buckets, and with "
+    "torch._dynamo.config.optimize_ddp = 'python_reducer' (DDP under compiled autograd) DDP "
+    "calls a comm hook with one parameter's gradient at a time: keep DDP's default reducer "
+    "(torch.compile of the model or of the DDP module works with the hook), or synchronise "
+    "with spardl_grace.DistributedOptimizer, which works under compiled autograd"
+)
+
 
 class CommHookState:
     """The hook's state: the grace communicator, parameter names, and the step count.
@@ -105,6 +114,8 @@ class CommHookState:
                 "grace must be a communicator from grace_from_params(...) or a dict of its "
                 f"parameters, got {type(grace).__name__}"
             )
+        if getattr(model, "_use_python_reducer", False):
+            raise ValueError(PYTHON_REDUCER)
         inner = (
             model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         )
@@ -263,6 +274,8 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     communicator (dense during warm-up and for small buckets), in the bucket's dtype. The
     future is pending while the communication thread works on it (see the module docstring).
     """
+    if isinstance(bucket, tuple):  # a state built with the wrapped module, not the DDP one
+        raise ValueError(PYTHON_REDUCER)
     buffer = bucket.buffer()
     params = bucket.parameters()
     canonical, order = state.canonical(params)

@@ -155,12 +155,27 @@ def test_momentum_correction_beside_a_dense_path_is_refused_before_training():
         assert len(errors) == 2
 
 
+def test_the_hook_given_one_parameter_at_a_time_says_why_it_cannot():
+    """DDP's Python reducer (compiled autograd) calls a comm hook with (gradient, parameter);
+    a state built with the wrapped module, not the DDP one, is not refused at construction,
+    and the hook then raises the same error instead of an AttributeError. No process group
+    is needed: the hook refuses before it synchronises anything."""
+    from spardl_grace import CommHookState, comm_hook
+    from spardl_grace.ddp import PYTHON_REDUCER
+    model = torch.nn.Linear(4, 4)
+    state = CommHookState({"communicator": "spardl", "memory": "global_residual",
+                           "compressor": "topk", "compress_ratio": 0.1}, model)
+    with pytest.raises(ValueError) as caught:
+        comm_hook(state, (torch.zeros(4, 4), model.weight))
+    assert str(caught.value) == PYTHON_REDUCER
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_the_loops_users_write_train_with_identical_replicas(launcher, tmp_path):
     """Evaluation with all-reduced metrics mid-epoch, a GAN (two models, two optimizers), AMP
     with a GradScaler and clipping, unused parameters (and under torchrun, DDP's
-    find_unused_parameters, torch.compile and a user's own subgroup for metrics): every rank
-    ends with the same parameters; compile trains as eager does, and the loops that only add
+    find_unused_parameters, torch.compile, compiled autograd and a user's own subgroup for
+    metrics): every rank ends with the same parameters; compile trains as eager does, and the loops that only add
     the user's own communication end with the plain loop's bits."""
     ranks = run_ranks(launcher, 3, "user_loops.more_patterns", tmp_path, timeout=420)
     for pattern, result in ranks[0].items():
@@ -175,6 +190,11 @@ def test_the_loops_users_write_train_with_identical_replicas(launcher, tmp_path)
         assert ranks[0]["own_subgroup_for_metrics"]["logged"] == \
             ranks[1]["own_subgroup_for_metrics"]["logged"]
         assert torch.allclose(ranks[0]["compiled_model"]["params"], plain, atol=1e-5)
+        assert torch.allclose(ranks[0]["compiled_autograd"]["params"], plain, atol=1e-5)
+        for r in ranks:
+            assert r["compiled_autograd"]["captures"] > 0  # the backward was compiled
+            assert "python_reducer" in r["compiled_autograd"]["refused"]
+            assert "DistributedOptimizer" in r["compiled_autograd"]["refused"]
 
 
 def test_the_stress_run_counts_passes_and_names_bad_options(tmp_path, capsys):

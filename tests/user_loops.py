@@ -383,6 +383,36 @@ def compiled_model(_transport) -> dict:
     return {"params": flat_params(model), "logged": []}
 
 
+def compiled_autograd(_transport) -> dict:
+    """torchtitan's compiled autograd (the backward traced and compiled, as its
+    maybe_enable_compiled_autograd does) with DistributedOptimizer: the library's gradient
+    hooks run inside the compiled backward. And the DDP hook under DDP's Python reducer, which
+    compiled autograd needs: refused at construction (an AttributeError at the first backward
+    before)."""
+    from torch._dynamo import compiled_autograd as ca
+    from torch._dynamo.utils import counters
+
+    user = _UserCollectives()
+    model = _model()
+    compiled = torch.compile(model)
+    opt = _distributed_optimizer(model)
+    for x, y in batches(user.rank, user.size, STEPS):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        with ca._enable(torch.compile(dynamic=False)):
+            loss.backward()
+        opt.step()
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        ddp = torch.nn.parallel.DistributedDataParallel(_model())
+        try:
+            spardl_grace.CommHookState(dict(PARAMS), ddp)
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+    return {"params": flat_params(model), "logged": [],
+            "captures": counters["compiled_autograd"]["captures"], "refused": refused}
+
+
 def own_subgroup_for_metrics(_transport) -> dict:
     """The user makes a subgroup of ranks 0 and 1 (after the library made its channel) and
     all-reduces the loss on it between backward and step; rank 2 does not take part."""
@@ -408,10 +438,11 @@ MORE_PATTERNS = (evaluation_mid_epoch, gan, amp_with_grad_scaler_and_clipping, u
 
 
 def more_patterns(transport) -> dict:
-    """The patterns every launcher has, and under torchrun compile and a user's subgroup."""
+    """The patterns every launcher has, and under torchrun compile, compiled autograd and a
+    user's subgroup."""
     patterns = list(MORE_PATTERNS)
     if _UserCollectives().kind == "torchrun":
-        patterns += [compiled_model, own_subgroup_for_metrics]
+        patterns += [compiled_model, compiled_autograd, own_subgroup_for_metrics]
     return {"plain": plain(transport), **{f.__name__: f(transport) for f in patterns}}
 
 
