@@ -369,18 +369,24 @@ def unused_parameters(_transport) -> dict:
     return {"params": torch.cat(out), "logged": []}
 
 
-def compiled_model(_transport) -> dict:
-    """A model wrapped by torch.compile, its optimizer by DistributedOptimizer: the same bits
-    as the loop without compile (plain())."""
+def _compiled_loop(backward) -> dict:
+    """torch.compile(model), its optimizer wrapped by DistributedOptimizer, `backward(loss)`
+    run on each step's loss."""
     user = _UserCollectives()
     model = _model()
     compiled = torch.compile(model)
     opt = _distributed_optimizer(model)
     for x, y in batches(user.rank, user.size, STEPS):
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(compiled(x), y).backward()
+        backward(torch.nn.functional.cross_entropy(compiled(x), y))
         opt.step()
     return {"params": flat_params(model), "logged": []}
+
+
+def compiled_model(_transport) -> dict:
+    """A model wrapped by torch.compile, its optimizer by DistributedOptimizer: the same bits
+    as the loop without compile (plain())."""
+    return _compiled_loop(lambda loss: loss.backward())
 
 
 def compiled_autograd(_transport) -> dict:
@@ -392,16 +398,11 @@ def compiled_autograd(_transport) -> dict:
     from torch._dynamo import compiled_autograd as ca
     from torch._dynamo.utils import counters
 
-    user = _UserCollectives()
-    model = _model()
-    compiled = torch.compile(model)
-    opt = _distributed_optimizer(model)
-    for x, y in batches(user.rank, user.size, STEPS):
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+    def backward(loss):
         with ca._enable(torch.compile(dynamic=False)):
             loss.backward()
-        opt.step()
+
+    out = _compiled_loop(backward)
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
         ddp = torch.nn.parallel.DistributedDataParallel(_model())
         try:
@@ -409,8 +410,7 @@ def compiled_autograd(_transport) -> dict:
             refused = ""
         except ValueError as exc:
             refused = str(exc)
-    return {"params": flat_params(model), "logged": [],
-            "captures": counters["compiled_autograd"]["captures"], "refused": refused}
+    return {**out, "captures": counters["compiled_autograd"]["captures"], "refused": refused}
 
 
 def own_subgroup_for_metrics(_transport) -> dict:
