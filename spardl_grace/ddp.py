@@ -152,6 +152,11 @@ class CommHookState:
         )
 
     @property
+    def grace_in_use(self) -> Synchronizer | None:
+        """The communicator, once it has synchronised a step (None before)."""
+        return self.sync.grace if self.synchronized_steps else None
+
+    @property
     def synchronized_steps(self) -> int:
         """Steps synchronised so far (0 before the first)."""
         return self._sync.steps if self._sync is not None else 0

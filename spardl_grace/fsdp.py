@@ -193,6 +193,12 @@ class ShardSync:
         if model is not None:
             watch(model, self, "FSDP2")
 
+    @property
+    def grace_in_use(self) -> Any:
+        """The communicator, once it has synchronised a gradient (None before: the step
+        torch.distributed.checkpoint takes to create the optimizer's state comes first)."""
+        return None if all(hook.numel is None for hook in self.hooks.values()) else self.grace
+
     def holds_parameters_of(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether `optimizer` updates any parameter of the sharded model."""
         model = self._model() if self._model is not None else None
@@ -207,7 +213,7 @@ class ShardSync:
         model: at the first after a synchronisation, warns when the optimizer was resumed
         without this state (the step torch.distributed.checkpoint takes to create the
         optimizer's state, before any, tells nothing)."""
-        if self._resume_checked or all(hook.numel is None for hook in self.hooks.values()):
+        if self._resume_checked or self.grace_in_use is None:
             return
         self._resume_checked = True
         saved = "this ShardSync (in what dcp.save saves)"

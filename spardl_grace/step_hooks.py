@@ -31,8 +31,9 @@ from torch.optim.optimizer import (
 
 #: model -> (a DDP hook state or FSDP2's ShardSync, the integration's name), for as long as the
 #: model lives (a second watch of the model replaces the first); the holder has
-#: momentum_correction, adam_freeze_step, synchronized_steps, holds_parameters_of(optimizer),
-#: check_resumed(optimizer) (before each step) and optimizer_stepped()
+#: momentum_correction, adam_freeze_step, synchronized_steps, grace_in_use (its communicator
+#: once it has synchronised, else None), holds_parameters_of(optimizer), check_resumed(optimizer)
+#: (before each step) and optimizer_stepped()
 _WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str]] = weakref.WeakKeyDictionary()
 _HOOKS: list[Any] = []
 #: optimizers in a step: what puts back what the options changed for it
@@ -168,10 +169,12 @@ def _with_closure(args: Any, kwargs: Any, closure: Callable[[], Any]) -> tuple[A
 def _take_over(optimizer: torch.optim.Optimizer, holder: Any, where: str) -> None:
     """What each option does before `optimizer` updates `holder`'s parameters (the module
     docstring), with what puts it back after the step."""
+    from .adam_advice import warn_once_for
     from .frozen_adam import take_over_step
     from .momentum import take_over_momentum
 
     holder.check_resumed(optimizer)
+    warn_once_for(holder, optimizer, holder.grace_in_use, where)
     undo: list[Callable[[], None]] = []
     try:
         undo += take_over_momentum(optimizer, holder, where)

@@ -432,7 +432,10 @@ def user_patterns(transport) -> dict:
             warnings.simplefilter("always")
             _train(model, optimizer, rank, range(2, 4))
         out[f"resumed, ShardSync {'kept' if keep else 'left out'}"] = [
-            str(w.message) for w in caught if "spardl_grace" in str(w.message)]
+            str(w.message) for w in caught if "spardl_grace" in str(w.message)
+            and "steps on" not in str(w.message)]
+        out[f"Adam advice, ShardSync {'kept' if keep else 'left out'}"] = [
+            str(w.message) for w in caught if "steps on" in str(w.message)]
     saved = sync.state_dict()[f"rank{rank}"]
     state = torch.load(saved, weights_only=True)
     state["layout"]["communicator_ranks"] = 4

@@ -153,7 +153,8 @@ _SPARDL = {"compressor": "topk", "memory": "global_residual", "communicator": "s
 
 def test_torchtitans_model_layout_unused_blocks_and_dcp_resumes_as_users_write_them(launch):
     """Found by trying FSDP2 as a torchtitan user: each of these raised or resumed afresh in
-    silence before (see fsdp_scenarios.user_patterns)."""
+    silence before (see fsdp_scenarios.user_patterns). AdamW on SparDL's gradient is told,
+    once per ShardSync, that it trains far behind dense."""
     for rank, got in enumerate(launch("gloo", 4, "fsdp_scenarios.user_patterns", timeout=400)):
         assert got["units"] == ["<root>", "inp", "layers.0", "layers.1", "layers.2", "out"]
         for who in ("every rank", "rank 0"):
@@ -163,6 +164,9 @@ def test_torchtitans_model_layout_unused_blocks_and_dcp_resumes_as_users_write_t
         (warned,) = got["resumed, ShardSync left out"]
         assert "compression state was not restored" in warned and "ShardSync" in warned
         assert got["resumed, ShardSync kept"] == []
+        for kept in ("kept", "left out"):  # AdamW on SparDL's gradient: told once, after
+            (advice,) = got[f"Adam advice, ShardSync {kept}"]  # DCP's creating step
+            assert "AdamW steps on SparDL at density 0.1" in advice and "FSDP2" in advice
         assert "saved under another sharding" in got["other layout"]
 
 

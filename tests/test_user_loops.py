@@ -255,7 +255,8 @@ def test_momentum_correction_without_masking_keeps_the_users_sgd_inside_the_loop
 def test_nanogpt_checkpoints_resume_exactly_with_each_ranks_state_and_never_silently_without(
         tmp_path):
     """Before, a resume without the hook's state went on afresh in silence, and rank 0's state
-    loaded on every rank trained on with rank 0's residuals counted twice."""
+    loaded on every rank trained on with rank 0's residuals counted twice. AdamW on SparDL's
+    gradient is also told, once per hook state, that it trains far behind dense."""
     ranks = run_ranks("gloo", 2, "user_loops.nanogpt_checkpoints", tmp_path, timeout=240)
     for r in ranks:
         assert torch.equal(r["own state"]["params"], r["unbroken"])
@@ -265,4 +266,8 @@ def test_nanogpt_checkpoints_resume_exactly_with_each_ranks_state_and_never_sile
         assert len(afresh["warnings"]) == 1
         assert "compression state was not restored" in afresh["warnings"][0]
         assert "another rank's compression state" in r["rank 0's state"]["error"]
+        for job in ("own state", "model+optimizer"):  # each hook state says it once
+            (advice,) = r[job]["adam_advice"]
+            assert "AdamW steps on SparDL at density 0.05" in advice
+            assert "through the DDP hook" in advice and "'adam_freeze_step'" in advice
     assert torch.equal(ranks[0]["model+optimizer"]["params"], ranks[1]["model+optimizer"]["params"])

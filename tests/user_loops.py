@@ -486,8 +486,9 @@ def momentum_correction_patterns(transport) -> dict:
 def _nanogpt_job(saved: dict | None, load: str, steps: int) -> dict:
     """One job of nanoGPT's loop under the DDP hook (AdamW): built afresh, resumed from
     `saved` as `load` says ('model+optimizer', 'own state', "rank 0's state" on every rank),
-    then `steps` steps. Returns what it would checkpoint, the library's warnings, and the
-    error a step raised (it stops there)."""
+    then `steps` steps. Returns what it would checkpoint, the library's warnings (those about
+    the choice of AdamW on SparDL's gradient apart), and the error a step raised (it stops
+    there)."""
     import copy
     import warnings
 
@@ -524,7 +525,9 @@ def _nanogpt_job(saved: dict | None, load: str, steps: int) -> dict:
     return {"model": copy.deepcopy(model.state_dict()), "step": start + steps,
             "optimizer": copy.deepcopy(optimizer.state_dict()), "hook": hooks,
             "params": flat_params(model), "error": error,
-            "warnings": [str(w.message) for w in caught if "spardl_grace" in str(w.message)]}
+            "warnings": [str(w.message) for w in caught if "spardl_grace" in str(w.message)
+                         and "steps on" not in str(w.message)],
+            "adam_advice": [str(w.message) for w in caught if "steps on" in str(w.message)]}
 
 
 def nanogpt_checkpoints(_transport) -> dict:
@@ -536,5 +539,5 @@ def nanogpt_checkpoints(_transport) -> dict:
     first = _nanogpt_job(None, "", 3)
     return {"unbroken": _nanogpt_job(None, "", 6)["params"],
             **{load: {k: v for k, v in _nanogpt_job(first, load, 3).items()
-                      if k in ("params", "error", "warnings")}
+                      if k in ("params", "error", "warnings", "adam_advice")}
                for load in ("model+optimizer", "own state", "rank 0's state")}}
