@@ -24,6 +24,7 @@ torch.load(weights_only=True).
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,7 @@ import torch
 from .agreement import agree_holding_own_state, digest, settings_of
 from .comm_thread import CommThread, future_for
 from .transport import Transport
+from .transport.counting import ring_allreduce_bytes
 from .warmup import warmup_density
 
 
@@ -508,18 +510,37 @@ class Communicator(Synchronizer):
 
     def synchronize(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """One whole step, here and now: check that the ranks agree on `name`, compensate,
-        compress, update the memory, exchange, decompress and aggregate."""
+        compress, update the memory, exchange, decompress and aggregate. last_stats then
+        holds the step's 'bytes_sent' (bytes_sent_for), 'coding_s' (compress) and 'comm_s'
+        (the rest)."""
         self.agree(tensor, name)
+        start = time.perf_counter()
         compensated = self.memory.compensate(tensor, name)
         tensors, ctx = self.compressor.compress(compensated, name)
+        coded = time.perf_counter()
         update = getattr(self.memory, "update", None)
         if callable(update):
             update(compensated, name, self.compressor, tensors, ctx)
-        return self.send_receive(tensors, name, ctx)
+        result = self.send_receive(tensors, name, ctx)
+        # PowerSGD all-reduces its factors inside compress and sends no tensors after it
+        inside = ring_allreduce_bytes(
+            getattr(self.compressor, "allreduced_bytes", 0), self.world_size
+        )
+        self.last_stats = {
+            "bytes_sent": self.bytes_sent_for(tensors) + inside,
+            "coding_s": coded - start,
+            "comm_s": time.perf_counter() - coded,
+        }
+        return result
 
     @abstractmethod
     def send_receive(self, tensors: list[torch.Tensor], name: str, ctx: Any) -> torch.Tensor:
         """Exchange compressed tensors and return the aggregated dense result."""
+
+    def bytes_sent_for(self, tensors: list[torch.Tensor]) -> int:
+        """The bytes this rank sends to exchange `tensors`: each peer gets each once (an
+        all-gather's or a broadcast's count, as the sparse all-reduces count theirs)."""
+        return sum(t.numel() * t.element_size() for t in tensors) * (self.world_size - 1)
 
     def set_density(self, density: float) -> None:
         """Set the compressor's compress_ratio (top-k, random-k, DGC); ValueError for a

@@ -148,7 +148,14 @@ class CommHookState:
     def _build(self, grace: Synchronizer) -> GradientSync:
         warmup, min_numel, overlap, timeout = self._sync_args
         return GradientSync(
-            grace, warmup, min_numel, overlap, "spardl-ddp-comm", timeout, self.names.values()
+            grace,
+            warmup,
+            min_numel,
+            overlap,
+            "spardl-ddp-comm",
+            timeout,
+            self.names.values(),
+            {n: tuple(p.shape) for p, n in self.names.items()},
         )
 
     @property

@@ -375,6 +375,12 @@ def hybrid_shard(
     refuse_without_the_step(resolved["adam_freeze_step"], "FSDP2")
     refuse_update_exchange(resolved["exchange"], "FSDP2")
     _check_mesh(mesh, replicate, shard)
+    if resolved["compressor"] == "powersgd":
+        raise ValueError(
+            "compressor 'powersgd' approximates each parameter's gradient matrix, and FSDP2 "
+            "hands hybrid_shard a flat shard of a unit's gradients, which it would send "
+            "uncompressed: choose a sparse communicator ('spardl') or another compressor"
+        )
     transport = TorchDistTransport(group=mesh[replicate].get_group())
     grace = grace_from_params(dict(params), transport=transport)
     modules = _fully_shard_units(model, units, mesh[shard], fully_shard_kwargs, "hybrid_shard")

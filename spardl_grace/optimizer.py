@@ -194,6 +194,7 @@ class _DistributedOptimizer:
             "spardl-comm",
             first_step_timeout,
             [n for n, _ in named],
+            {n: tuple(p.shape) for n, p in named},
         )
         self._adam_freeze_step = adam_freeze_step
         self._exchange = exchange

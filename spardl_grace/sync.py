@@ -9,8 +9,14 @@ buckets after the first iteration; a user may change the bucket size between a c
 the resumed run), and the two integrations write the same checkpoint.
 
 Per-bucket state that is not a tensor per entry (step counters, Ok-Topk thresholds and
-regions, PowerSGD's Q) stays under the bucket key; after a rebuild it starts afresh, which
-the algorithms handle as on their first step.
+regions) stays under the bucket key; after a rebuild it starts afresh, which the algorithms
+handle as on their first step.
+
+GRACE's communicators (allreduce, allgather, broadcast with a GRACE compressor) compress each
+parameter's gradient on its own, in the parameter's shape, under the parameter's name, as
+GRACE does inside Horovod: PowerSGD needs the matrix, QSGD's norm and one-bit's scale are a
+tensor's, top-k selects per tensor. The sparse all-reduces take the bucket whole (SparDL
+balances its selection over all of it).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -27,6 +33,7 @@ import torch
 
 from .agreement import agree_holding_own_state
 from .api import (
+    Communicator,
     Memory,
     Synchronizer,
     communication_dtype,
@@ -107,7 +114,7 @@ class _Outcome:
 
 def stores_of(memory: Memory) -> list[dict[str, torch.Tensor]]:
     """The memory's per-name stores (Memory.stores); none for a GRACE user's own memory
-    without stores(), whose entries stay under the bucket's key."""
+    without stores(), whose entries stay under the key it was stepped with."""
     stores = getattr(memory, "stores", None)
     return stores() if callable(stores) else []
 
@@ -149,6 +156,28 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
                 store.update(zip(bucket.names, torch.split(whole.reshape(-1), list(bucket.numels))))
             elif not outcome.keep:
                 store.update((n, p) for n, p in zip(bucket.names, parts) if p is not None)
+
+
+@contextmanager
+def put_back_unless_kept(memory: Memory, names: tuple[str, ...]) -> Iterator[_Outcome]:
+    """Within the block the memory works on each of `names` under its own name; when the block
+    sets `keep = False` on what it is given (or raises), every one of their entries from
+    before it is put back (memories replace their entries and never change them in place)."""
+    saved = [(store, {n: store.get(n) for n in names}) for store in stores_of(memory)]
+    outcome = _Outcome()
+    try:
+        yield outcome
+    except BaseException:
+        outcome.keep = False
+        raise
+    finally:
+        if not outcome.keep:
+            for store, parts in saved:
+                for name, part in parts.items():
+                    if part is None:
+                        store.pop(name, None)
+                    else:
+                        store[name] = part
 
 
 def settle(future: torch.futures.Future) -> None:
@@ -220,6 +249,7 @@ class GradientSync:
         thread_name: str = "spardl-comm",
         first_step_timeout: float = FIRST_STEP_TIMEOUT_S,
         parameter_names: Collection[str] = (),
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
     ):
         if not isinstance(grace, Synchronizer):
             raise TypeError(
@@ -253,6 +283,8 @@ class GradientSync:
         )
         self.min_numel = min_numel
         self.parameter_names = frozenset(parameter_names)
+        #: each parameter's shape, by name, in which a GRACE communicator compresses it
+        self.shapes = dict(shapes or {})
         self.steps = 0
         #: whether the last finished step synchronised every bucket sparsely with a finite
         #: result (False when a bucket went dense, whose result is not checked)
@@ -383,6 +415,8 @@ class GradientSync:
                 self._add_stats(self.dense.last_stats)
                 self._step_finite = False
                 return result
+            if isinstance(self.grace, Communicator):
+                return self._each_parameter(flat, bucket)
             with per_parameter_stores(self.grace.memory, bucket) as outcome:
                 result = self.grace.step(flat, bucket.key)
                 # The result is identical on every rank, so all ranks decide alike, unasked.
@@ -390,6 +424,20 @@ class GradientSync:
             self._step_finite = self._step_finite and outcome.keep
             self._add_stats(self.grace.last_stats)
             return result
+
+    def _each_parameter(self, flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """A GRACE communicator's step on each of the bucket's parameters, in its shape (a
+        name without one: flat) and under its name (see the module docstring); the results
+        back to back. A result that is not finite puts back every parameter's memory."""
+        results = []
+        with put_back_unless_kept(self.grace.memory, bucket.names) as outcome:
+            for name, part in zip(bucket.names, torch.split(flat, list(bucket.numels))):
+                result = self.grace.step(part.view(self.shapes.get(name, part.shape)), name)
+                outcome.keep = outcome.keep and self.grace.result_is_finite(result, name)
+                self._add_stats(self.grace.last_stats)
+                results.append(result.reshape(-1))
+        self._step_finite = self._step_finite and outcome.keep
+        return torch.cat(results)
 
     def _check_bucket(self, flat: torch.Tensor, bucket: Bucket) -> None:
         """ValueError if `flat` is not the bucket's flat buffer; the first time in this

@@ -13,7 +13,8 @@ from deepreduce_compat import deepreduce_from_params
 from spardl_grace import grace_from_params
 from sparse_checks import mechanics
 
-DTYPES = [torch.float32, torch.int32, torch.uint8, torch.bfloat16, torch.float64]
+# int16: QSGD's levels above 127; gloo's and NCCL's collectives refuse it ("Invalid scalar type")
+DTYPES = [torch.float32, torch.int32, torch.uint8, torch.bfloat16, torch.float64, torch.int16]
 
 
 def rank_tensor(rank: int, n: int, dtype: torch.dtype = torch.float32, salt: int = 0) -> torch.Tensor:
@@ -48,6 +49,7 @@ def transport_ops(transport) -> dict:
     out["allreduce.float64"] = transport.allreduce(rank_tensor(r, 10, torch.float64), "ar.f64")
     out["allreduce.int32"] = transport.allreduce(rank_tensor(r, 10, torch.int32), "ar.i32")
     out["allreduce.uint8"] = transport.allreduce(rank_tensor(r, 10, torch.uint8), "ar.u8")
+    out["allreduce.int16"] = transport.allreduce(rank_tensor(r, 10, torch.int16), "ar.i16")
     out["allreduce.random"] = transport.allreduce(
         torch.randn(1000, generator=torch.Generator().manual_seed(r)), "ar.rand")
     transport.barrier()
@@ -237,6 +239,7 @@ def expected_transport_ops(rank: int, size: int) -> dict:
     # uint8 sums wrap modulo 256 (Horovod, which has no uint8 all-reduce, reduces in int64)
     out["allreduce.uint8"] = sum(rank_tensor(j, 10, torch.uint8).long()
                                  for j in range(size)).to(torch.uint8)
+    out["allreduce.int16"] = sum(rank_tensor(j, 10, torch.int16) for j in range(size))
     return out
 
 

@@ -135,7 +135,8 @@ def test_momentum_correction_takes_the_users_sgd_momentum_over(launch):
 
 
 def test_flat_shard_refuses_another_communicator_and_a_2d_mesh():
-    """Refused before any collective, so no process group is needed."""
+    """Refused before any collective, so no process group is needed; hybrid_shard refuses the
+    frozen variance and PowerSGD too."""
     with pytest.raises(ValueError, match="1-D device mesh"):
         flat_shard(torch.nn.Linear(2, 2), {**_SPARDL, "compress_ratio": 0.1}, mesh=_Mesh(2, ("a", "b")))
     for bad in ({"communicator": "topka"}, {"teams": 2}):
@@ -146,6 +147,9 @@ def test_flat_shard_refuses_another_communicator_and_a_2d_mesh():
                   lambda: hybrid_shard(torch.nn.Linear(2, 2), _Mesh(2, ("replicate", "shard")), frozen)):
         with pytest.raises(ValueError, match="needs dense steps to estimate Adam's second moment"):
             shard()
+    with pytest.raises(ValueError, match="'powersgd' approximates each parameter's"):
+        hybrid_shard(torch.nn.Linear(2, 2), _Mesh(2, ("replicate", "shard")),  # a flat shard
+                     {"compressor": "powersgd", "memory": "powersgd", "communicator": "allreduce"})
 
 
 _SPARDL = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl"}

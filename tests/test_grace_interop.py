@@ -60,11 +60,53 @@ def check_training(per_rank: list[dict]) -> None:
     for r in per_rank:
         assert torch.equal(r["params"], per_rank[0]["params"])
         assert r["losses"][-5:].mean() < 0.8 * r["losses"][:5].mean()
-        assert len(r["residual_names"]) == 1  # its residuals stay under the bucket's key
+        # compressed one parameter at a time, as GRACE does: a residual under each name
+        assert r["residual_names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
 def test_a_grace_users_compressor_trains_through_distributed_optimizer():
     check_training(run_local(3, gs.training))
+
+
+#: GRACE's communicators with compressors whose result depends on the tensor's shape or its
+#: own statistics (PowerSGD's matrix, QSGD's norm, one-bit's scale, top-k's selection)
+PER_TENSOR = [("powersgd", "powersgd", "allreduce"), ("qsgd", "none", "allgather"),
+              ("onebit", "residual", "allgather"), ("topk", "residual", "allgather"),
+              ("randomk", "residual", "allreduce"), ("terngrad", "none", "broadcast")]
+
+
+@pytest.mark.parametrize("compressor, memory, communicator", PER_TENSOR)
+def test_grace_communicators_compress_each_parameter_in_its_shape_as_graces_loop_does(
+        compressor, memory, communicator):
+    """DistributedOptimizer fuses the model into one bucket, and a GRACE compressor was handed
+    that flat bucket: PowerSGD, which compresses matrices, sent everything uncompressed, and
+    QSGD took one norm for the whole model. Each parameter is now compressed on its own, in
+    its shape, under its name: the bits of GRACE's loop (grc.step per gradient), and the
+    bytes sent are counted (last_stats was empty)."""
+    import scenarios
+    from spardl_grace import DistributedOptimizer
+    params = {"compressor": compressor, "memory": memory, "communicator": communicator,
+              "compress_ratio": 0.3}
+
+    def fn(t):
+        loop = scenarios.train_tiny(grace_from_params(dict(params), transport=t), t.rank)
+        model, batches = scenarios.tiny_regression(t.rank)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   grace_from_params(dict(params), transport=t),
+                                   named_parameters=model.named_parameters())
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return loop, [p.detach().clone() for p in model.parameters()], opt.last_stats
+
+    dense_bytes = (8 * 6 + 6 + 6 + 1) * 4  # what one rank's fp32 gradient holds
+    for loop, fused, stats in run_local(2, fn):
+        for a, b in zip(loop, fused):
+            assert torch.equal(a, b)
+        assert 0 < stats["bytes_sent"]
+        if compressor == "powersgd":  # rank 1 of the 6 x 8 matrix: 14 entries for 48
+            assert stats["bytes_sent"] < dense_bytes
 
 
 def test_a_grace_users_compressor_trains_through_the_ddp_hook(launch):

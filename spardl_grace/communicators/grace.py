@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..api import Communicator, aggregate, average_of, same_sizes
+from ..transport.counting import ring_allreduce_bytes
 
 
 class Allreduce(Communicator):
@@ -17,6 +18,12 @@ class Allreduce(Communicator):
             total = self.transport.allreduce(t, f"allreduce.{name}.{i}")
             reduced.append(total / self.world_size if average_of(self.compressor) else total)
         return self.compressor.decompress(reduced, ctx)
+
+    def bytes_sent_for(self, tensors: list[torch.Tensor]) -> int:
+        """A ring all-reduce's bytes for each tensor."""
+        return sum(
+            ring_allreduce_bytes(t.numel() * t.element_size(), self.world_size) for t in tensors
+        )
 
 
 class Allgather(Communicator):

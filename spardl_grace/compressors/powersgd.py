@@ -30,6 +30,8 @@ class PowerSGDCompressor(Compressor):
         self.q_memory: dict[str, torch.Tensor] = {}
 
     def compress(self, tensor, name):
+        #: bytes this compress all-reduced (the factors P and Q; the communicator counts them)
+        self.allreduced_bytes = 0
         if tensor.dim() < 2:
             return [tensor], None
         matrix = tensor.reshape(tensor.shape[0], -1).float()
@@ -45,6 +47,7 @@ class PowerSGDCompressor(Compressor):
         p = orthogonalize(p)
         q_local = matrix.t() @ p
         q = transport.allreduce(q_local, f"powersgd.{name}.q") / world
+        self.allreduced_bytes = (p.numel() + q.numel()) * 4
         self.q_memory[name] = q
         return [], (p, q, q_local, tensor.shape, tensor.dtype)
 

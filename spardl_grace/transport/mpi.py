@@ -34,6 +34,8 @@ _REDUCE_DTYPES = {
     torch.int32: "INT",
     torch.int64: "INT64_T",
     torch.uint8: "UNSIGNED_CHAR",
+    torch.int16: "SHORT",
+    torch.int8: "SIGNED_CHAR",
 }
 
 

@@ -84,6 +84,12 @@ def private_group(group: dist.ProcessGroup | None, timeout: float) -> dist.Proce
     return made
 
 
+#: the integer types gloo's and NCCL's collectives refuse ("Invalid scalar type"), which
+#: QSGD's levels of 128 and more travel as (int16): gathered and broadcast as their bytes,
+#: all-reduced in the wider type (point-to-point messages carry them as they are)
+_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
 #: the library's process groups, released at exit (_release_groups)
 _PRIVATE_GROUPS: list[weakref.ref[TorchDistTransport]] = []
 
@@ -212,6 +218,9 @@ class TorchDistTransport(PointToPoint, Transport):
 
     def allgather(self, tensor: torch.Tensor, name: str) -> list[torch.Tensor]:
         _check_1d(tensor, "allgather")
+        if tensor.dtype in _WIDER:  # gathered as its bytes
+            parts = self.allgather(tensor.contiguous().view(torch.uint8), name)
+            return [p.view(tensor.dtype) for p in parts]
         sizes = self._allgather_sizes(tensor.numel(), name)
         longest = max(sizes)
         padded = torch.zeros(longest, dtype=tensor.dtype, device=self._device)
@@ -224,6 +233,8 @@ class TorchDistTransport(PointToPoint, Transport):
         return [p[:s].to(tensor.device) for p, s in zip(parts, sizes)]
 
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if tensor.dtype in _WIDER:  # summed wider, wrapped back into the narrow type
+            return self.allreduce(tensor.to(_WIDER[tensor.dtype]), name).to(tensor.dtype)
         out = self._on_comm(tensor).clone()
         self._complete(lambda: [dist.all_reduce(out, group=self.group, async_op=True)], name)
         return out.to(tensor.device)
@@ -244,6 +255,9 @@ class TorchDistTransport(PointToPoint, Transport):
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         self._check_peer(root, "root")
+        if tensor.dtype in _WIDER:  # broadcast as its bytes
+            as_bytes = tensor.contiguous().reshape(-1).view(torch.uint8)
+            return self.broadcast(as_bytes, root, name).view(tensor.dtype).view(tensor.shape)
         out = self._on_comm(tensor).clone()
         source = self.global_rank(root)
         self._complete(lambda: [dist.broadcast(out, source, group=self.group, async_op=True)], name)
