@@ -145,6 +145,7 @@ class DeepReduceCodec(PayloadCodec):
         """(message, its header, the positions the receiver decodes, the index section, the
         value section)."""
         indices = torch.sort(indices.to(torch.int64)).values
+        _check_positions(indices, block.numel())
         start = time.perf_counter()
         if self.in_value_order:
             assert isinstance(self.value, CurveFitValues)
@@ -291,3 +292,19 @@ def _codec(p: dict[str, Any]) -> DeepReduceCodec:
 
 # grace_from_params and resolve_params know DeepReduce's keys from here on.
 register_codec_keys(CodecKeys("deepreduce_compat", DEFAULTS, resolve, codec_from_params))
+
+
+def _check_positions(indices: torch.Tensor, numel: int) -> None:
+    """ValueError unless the sorted `indices` are distinct positions of a block of `numel`
+    entries: delta and Huffman coding would decode a repeated or negative one as another
+    position, in silence (one check, one device synchronisation)."""
+    if not indices.numel():
+        return
+    bad = (indices[0] < 0) | (indices[-1] >= numel) | (indices[1:] == indices[:-1]).any()
+    if bool(bad):
+        raise ValueError(
+            f"DeepReduce codes distinct positions in 0..{numel - 1} of the block; got "
+            f"{indices.numel()} positions from {int(indices[0])} to {int(indices[-1])}, "
+            f"{indices.numel() - int(torch.unique_consecutive(indices).numel())} repeated: "
+            "give the sparsifier's indices, each once"
+        )

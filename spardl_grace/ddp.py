@@ -100,7 +100,7 @@ class CommHookState:
                 f"model must be the DDP module (or the module it wraps), got {type(model).__name__}"
             )
         if isinstance(grace, Mapping):
-            resolved = resolve_params(dict(grace))  # bad keys raise now, not at the first step
+            resolved = resolve_params(grace)  # bad keys raise now, not at the first step
             check_dense_path_keeps_momentum(
                 resolved["momentum_correction"],
                 max(dense_warmup_steps, resolved["dense_warmup_steps"]),

@@ -371,7 +371,7 @@ def hybrid_shard(
     none."""
     from .registry import grace_from_params, refuse_update_exchange, resolve_params
 
-    resolved = resolve_params(dict(params))
+    resolved = resolve_params(params)
     refuse_without_the_step(resolved["adam_freeze_step"], "FSDP2")
     refuse_update_exchange(resolved["exchange"], "FSDP2")
     _check_mesh(mesh, replicate, shard)
@@ -412,7 +412,7 @@ def flat_shard(
     from .communicators.spardl import SparDL
     from .registry import grace_from_params, refuse_update_exchange, resolve_params
 
-    resolved = resolve_params(dict(params))
+    resolved = resolve_params(params)
     refuse_without_the_step(resolved["adam_freeze_step"], "FSDP2")
     refuse_update_exchange(resolved["exchange"], "FSDP2")
     if mesh is not None and mesh.ndim != 1:

@@ -72,7 +72,7 @@ class GradientCompression(pl.Callback):
                 f"got {type(grace).__name__}"
             )
         if isinstance(grace, Mapping):
-            resolve_params(dict(grace))  # bad parameters raise here, not at the fit
+            resolve_params(grace)  # bad parameters raise here, not at the fit
         if not isinstance(log_stats, bool):
             raise TypeError(f"log_stats must be True or False, got {log_stats!r}")
         self._grace = grace

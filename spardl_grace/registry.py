@@ -523,7 +523,7 @@ ALIASES = {"density": "compress_ratio", "compress_rank": "powersgd_rank"}
 RENAMED = {"oktopk_warmup": "oktopk_warmup_steps"}
 
 
-def _renamed(params: dict[str, Any]) -> dict[str, Any]:
+def _renamed(params: Mapping[str, Any]) -> dict[str, Any]:
     """`params` with RENAMED keys under their new names, each with a DeprecationWarning;
     ValueError when both names are given."""
     out = dict(params)
@@ -561,13 +561,26 @@ def _codec_of(p: dict[str, Any]) -> PayloadCodec | None:
     return codecs[0][1] if codecs else None
 
 
-def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
+def check_is_a_dict(params: object) -> None:
+    """TypeError, showing the form, unless `params` is a dict of GRACE's keys (a JSON or
+    Python string of one, or None, is a common slip)."""
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            "GRACE's parameters are a dict of keys to values, e.g. {'compressor': 'topk', "
+            "'memory': 'global_residual', 'communicator': 'spardl', 'compress_ratio': 0.01}; "
+            f"got {type(params).__name__}"
+            + (" (parse it first)" if isinstance(params, str) else "")
+        )
+
+
+def resolve_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """GRACE params with defaults filled in and every value validated."""
     return _resolve(params)[0]
 
 
-def _resolve(params: dict[str, Any]) -> tuple[dict[str, Any], PayloadCodec | None]:
+def _resolve(params: Mapping[str, Any]) -> tuple[dict[str, Any], PayloadCodec | None]:
     """resolve_params(params), and the codec a registered package's keys in it choose."""
+    check_is_a_dict(params)
     known = known_keys()
     unknown = set(params) - known
     if unknown:
@@ -792,6 +805,7 @@ def grace_from_params(
     transport per thread for simulations. codec: the PayloadCodec that codes a sparse
     all-reduce's messages (None: the identity, or the one a registered codec package's keys
     in `params` choose, such as DeepReduce's)."""
+    check_is_a_dict(params)
     if codec is not None and not isinstance(codec, PayloadCodec):
         raise TypeError(
             f"codec must be a spardl_grace.payload.PayloadCodec, got {type(codec).__name__}"

@@ -118,10 +118,15 @@ def gradients(rank: int, steps: int = 3) -> list[torch.Tensor]:
 
 def run_pairs(transport, grace_constructor: bool = False) -> dict:
     """Every pair for 3 steps: inputs and results per step. grace_constructor: build each
-    communicator with GRACE's signature (compressor, memory, world_size)."""
+    communicator with GRACE's signature (compressor, memory, world_size), and Broadcast with
+    grace_dl.dist's (compressor, memory, world_size, rank)."""
+    from spardl_grace.communicators.grace import Broadcast
     out = {}
     for label, cls, compressor, memory, lossless in pairs():
-        comm = cls(compressor, memory, transport.size if grace_constructor else transport)
+        if grace_constructor and cls is Broadcast:
+            comm = cls(compressor, memory, transport.size, transport.rank)
+        else:
+            comm = cls(compressor, memory, transport.size if grace_constructor else transport)
         out[label] = {"inputs": gradients(transport.rank),
                       "results": [comm.step(g, "w") for g in gradients(transport.rank)],
                       "lossless": lossless}

@@ -525,3 +525,15 @@ def test_bad_deepreduce_params_raise(params, match):
     with pytest.raises(ValueError, match="'dense' sends no sparse payload"):
         run_local(1, lambda t: grace_from_params({"communicator": "dense", "deepreduce": "both"},
                                                  transport=t))
+
+
+@pytest.mark.parametrize("index", ["none", "delta", "rle", "huffman", "bloom"])
+@pytest.mark.parametrize("positions", [[3, 3, 100], [5, 1000], [-1, 5]])
+def test_positions_repeated_or_outside_the_block_are_refused_before_coding(index, positions):
+    """Delta and Huffman coding decoded a repeated position as another one, and a negative
+    one wrongly, with the sender reporting what it was given; raw and run-length failed at
+    the receiver only, the Bloom filter dropped the position."""
+    from deepreduce_compat.codec import codec_from_params
+    codec = codec_from_params({"deepreduce": "index", "index": index})
+    with pytest.raises(ValueError, match="distinct positions in 0..999"):
+        codec.encode(torch.arange(1000, dtype=torch.float32), torch.tensor(positions), "w")

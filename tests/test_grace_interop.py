@@ -56,6 +56,18 @@ def test_grace_constructor_world_size_must_match_the_backend(launch):
         launch("gloo", 2, "grace_style.wrong_world_size")
 
 
+def test_graces_dist_broadcast_takes_its_rank_and_refuses_another():
+    """grace_dl.dist's Broadcast(compressor, memory, world_size, rank) raised TypeError; the
+    rank must be this process's."""
+    from spardl_grace.communicators.grace import Broadcast
+
+    def fn(t):
+        Broadcast(gs.PlainNone(), gs.PlainNoneMemory(), t, t.rank)
+        with pytest.raises(ValueError, match="pass dist.get_rank"):
+            Broadcast(gs.PlainNone(), gs.PlainNoneMemory(), t, (t.rank + 1) % t.size)
+    run_local(2, fn)
+
+
 def check_training(per_rank: list[dict]) -> None:
     for r in per_rank:
         assert torch.equal(r["params"], per_rank[0]["params"])

@@ -67,3 +67,12 @@ def test_graces_own_key_names_are_accepted():
     assert "compress_rank" not in resolve_params({**powersgd, "compress_rank": 4})
     with pytest.raises(ValueError, match="'compress_rank' is an alias of 'powersgd_rank'"):
         resolve_params({**powersgd, "compress_rank": 4, "powersgd_rank": 2})
+
+
+@pytest.mark.parametrize("params", [None, "{'compressor': 'topk'}", [("compressor", "topk")]])
+def test_parameters_that_are_not_a_dict_are_refused_showing_the_form(params):
+    """A JSON string, None or pairs gave AttributeError or 'not iterable' from deep inside."""
+    from spardl_grace import grace_from_params
+    for build in (resolve_params, lambda p: grace_from_params(p, transport=None)):
+        with pytest.raises(TypeError, match="a dict of keys to values, e.g. {'compressor'"):
+            build(params)

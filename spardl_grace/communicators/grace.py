@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..api import Communicator, aggregate, average_of, same_sizes
+from ..transport import Transport
 from ..transport.counting import ring_allreduce_bytes
 
 
@@ -48,7 +51,24 @@ class Allgather(Communicator):
 
 
 class Broadcast(Allgather):
-    """Every worker in turn broadcasts its compressed tensors (sizes first when they vary)."""
+    """Every worker in turn broadcasts its compressed tensors (sizes first when they vary).
+    `rank`: grace_dl.dist's Broadcast(compressor, memory, world_size, rank) form; it must be
+    the transport's rank (ValueError otherwise)."""
+
+    def __init__(
+        self,
+        compressor: Any,
+        memory: Any,
+        transport: Transport | int | None = None,
+        rank: int | None = None,
+    ):
+        super().__init__(compressor, memory, transport)
+        if rank is not None and rank != self.transport.rank:
+            raise ValueError(
+                f"Broadcast was given rank {rank}, but this process is rank "
+                f"{self.transport.rank} of the active backend: pass dist.get_rank(), or leave "
+                "it out"
+            )
 
     def send_receive(self, tensors, name, ctx):
         per_worker = []
