@@ -135,6 +135,30 @@ SYNCHRONIZED_TWICE = (
 )
 
 
+CHANGED_AFTER_SENT = (
+    "spardl_grace: the gradients of {names} changed after backward() handed them to the "
+    "synchronisation, and step() would overwrite the change with the average of what was "
+    "sent (a GradScaler's unscale_, which scaler.step() calls, would leave the scaled "
+    "gradient for the step). Change the averaged gradients instead, as with Horovod: "
+    "loss.backward(); optimizer.synchronize(); scaler.unscale_(optimizer); "
+    "clip_grad_norm_(...); then `with optimizer.skip_synchronize(): scaler.step(optimizer)`"
+)
+
+NOT_SYNCHRONISED = (
+    "spardl_grace: {names} have gradients, but this DistributedOptimizer does not synchronise "
+    "them (frozen, requires_grad=False, when it wrapped the optimizer, or added to the "
+    "optimizer afterwards), so the ranks' replicas would drift apart: wrap the optimizer "
+    "again once they train (the new wrapper takes the parameters over; "
+    "new.load_compression_state_dict(old.compression_state_dict()) carries the residuals)"
+)
+
+
+def _some(names: list[str]) -> str:
+    """The first three of `names` and how many more."""
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 class _BucketSlot:
     def __init__(self, members: list[tuple[str, torch.nn.Parameter]]):
         self.params = [p for _, p in members]
@@ -143,6 +167,17 @@ class _BucketSlot:
         # Gradients already in the communication dtype are flattened into a pooled buffer.
         self.flattens_in_place = all(p.dtype == self.dtype for p in self.params)
         self.ready = 0
+        #: each parameter's gradient as it was sent, and its version then (None: no gradient)
+        self.sent: list[tuple[torch.Tensor, int] | None] = []
+
+    def changed_since_sent(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradient was changed in place, or replaced, after the bucket
+        was sent."""
+        return [
+            p
+            for p, sent in zip(self.params, self.sent)
+            if sent is not None and (p.grad is not sent[0] or p.grad._version != sent[1])
+        ]
 
 
 #: id(parameter) -> (the parameter, the DistributedOptimizer whose gradient hook synchronises
@@ -333,6 +368,7 @@ class _DistributedOptimizer:
             else None
         )
         flat = flatten_grads(slot.params, slot.dtype, out)
+        slot.sent = [(p.grad, p.grad._version) if p.grad is not None else None for p in slot.params]
         if self._scale_before != 1.0:
             flat.mul_(self._scale_before)
         self._pending.append(self._sync.submit(flat, slot.bucket))
@@ -380,6 +416,7 @@ class _DistributedOptimizer:
                 self._launch(self._slots[len(self._pending)])
         try:
             self._sync.wait_queued()  # within the transport's timeout, unlike future.wait()
+            self._check_unchanged_since_sent()
             for slot, future in zip(self._slots, self._pending):
                 self._finish(slot, future.wait())
         finally:
@@ -391,6 +428,31 @@ class _DistributedOptimizer:
             self._sync.end_step()
         self._synchronized = True
         self._gradients_synchronized = True
+
+    def _check_unchanged_since_sent(self) -> None:
+        """RuntimeError, before any gradient is overwritten, when a gradient changed after its
+        bucket was sent: the average written into .grad would undo the change (a GradScaler's
+        unscale_ would leave the scaled average for the step)."""
+        changed = [self._names[p] for slot in self._slots for p in slot.changed_since_sent()]
+        if changed:
+            raise RuntimeError(CHANGED_AFTER_SENT.format(names=_some(changed)))
+
+    def _check_every_gradient_synchronised(self) -> None:
+        """ValueError when a parameter of the optimizer that requires a gradient has one but
+        is not among those this wrapper synchronises (frozen when it wrapped the optimizer, or
+        added to it later): its replicas would drift apart. The step's synchronisation is
+        finished first, on every rank alike, so that a new wrapper can take over."""
+        unsynchronised = [
+            self._names.get(p, f"a parameter of shape {tuple(p.shape)}")
+            for group in cast(torch.optim.Optimizer, self).param_groups
+            for p in group["params"]
+            if p.requires_grad and p.grad is not None and p not in self._slot_of
+        ]
+        if unsynchronised:
+            if not self._synchronized:
+                self.synchronize()
+            self._synchronized = self._gradients_synchronized = False
+            raise ValueError(NOT_SYNCHRONISED.format(names=_some(unsynchronised)))
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -420,6 +482,7 @@ class _DistributedOptimizer:
                 self._sync.grace.restored,
                 "optimizer.compression_state_dict()",
             )
+        self._check_every_gradient_synchronised()
         if self._exchanges_updates:
             self._synchronized = False
             return (

@@ -271,3 +271,109 @@ def test_nanogpt_checkpoints_resume_exactly_with_each_ranks_state_and_never_sile
             assert "AdamW steps on SparDL at density 0.05" in advice
             assert "through the DDP hook" in advice and "'adam_freeze_step'" in advice
     assert torch.equal(ranks[0]["model+optimizer"]["params"], ranks[1]["model+optimizer"]["params"])
+
+
+SPARDL_03 = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
+             "compress_ratio": 0.3}
+
+
+def _wrapped_mlp(transport, frozen_first: bool = False):
+    """A small model, the same on every rank (ranks are threads: no global seed), its SGD
+    and that SGD wrapped; with frozen_first, the first layer's weight frozen before the wrap."""
+    from spardl_grace import DistributedOptimizer, grace_from_params
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model[0].weight.requires_grad_(not frozen_first)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = DistributedOptimizer(sgd, grace_from_params(dict(SPARDL_03), transport=transport),
+                               named_parameters=model.named_parameters())
+    return model, sgd, opt
+
+
+def _loss(model, rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def test_gradients_changed_between_backward_and_step_raise_and_horovods_recipe_trains():
+    """torch's plain AMP loop (scaler.step unscales .grad in place) and clip_grad_norm_ before
+    step() changed gradients already sent: step() wrote the average of the sent (scaled,
+    unclipped) gradients over them and stepped on it, silently (a helper's run reached
+    parameters of 7.5e10). Now step() raises on every rank, before any gradient is
+    overwritten; synchronize(), clip, then step() in skip_synchronize() trains."""
+    from spardl_grace.transport import run_local
+
+    def fn(transport):
+        out = {}
+        model, _, opt = _wrapped_mlp(transport)
+        for step in range(2):  # the recipe
+            opt.zero_grad()
+            _loss(model, transport.rank, step).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            with opt.skip_synchronize():
+                opt.step()
+        out["recipe"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        before = out["recipe"].clone()
+        opt.zero_grad()
+        _loss(model, transport.rank, 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # before synchronize()
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            out["error"] = str(exc)
+        out["untouched"] = torch.equal(
+            before, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        opt.zero_grad()
+        _loss(model, transport.rank, 3).backward()
+        opt.step()  # the next step goes on
+        return out
+
+    results = run_local(2, fn)
+    for r in results:
+        assert "optimizer.synchronize(); scaler.unscale_(optimizer)" in r["error"]
+        assert "'2.bias'" in r["error"] and r["untouched"]
+        assert torch.equal(r["recipe"], results[0]["recipe"])
+
+
+def test_a_parameter_unfrozen_after_the_wrap_is_refused_until_wrapped_again():
+    """Fine-tuning unfreezes a frozen layer mid-run: nothing synchronised it, and the replicas
+    drifted apart in silence (as under Horovod). step() now raises naming it; wrapped again,
+    every replica ends alike."""
+    import warnings
+
+    from spardl_grace import DistributedOptimizer, grace_from_params
+    from spardl_grace.transport import run_local
+
+    def fn(transport):
+        model, sgd, opt = _wrapped_mlp(transport, frozen_first=True)
+        _loss(model, transport.rank, 0).backward()
+        opt.step()
+        model[0].weight.requires_grad_(True)
+        opt.zero_grad()
+        _loss(model, transport.rank, 1).backward()
+        try:
+            opt.step()
+            error = ""
+        except ValueError as exc:
+            error = str(exc)
+        again = DistributedOptimizer(sgd, grace_from_params(dict(SPARDL_03), transport=transport),
+                                     named_parameters=model.named_parameters())
+        again.zero_grad()
+        for step in (2, 3):
+            _loss(model, transport.rank, step).backward()
+            again.step()
+            again.zero_grad()
+        return error, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the second wrapper's take-over notice
+        results = run_local(2, fn)
+    for error, params in results:
+        assert "'0.weight' have gradients, but this DistributedOptimizer" in error
+        assert torch.equal(params, results[0][1])
+
