@@ -134,8 +134,18 @@ def plot_all(folder: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path)
-    for path in plot_all(p.parse_args(argv).folder):
+    folder = p.parse_args(argv).folder
+    made = plot_all(folder)
+    if not made:
+        p.exit(1, f"{p.prog}: no results to plot in {folder}: it reads {READS} (name a "
+                  "benchmark's --json after them)\n")
+    for path in made:
         print(path)
+
+
+#: the result files plot_all reads, as the benchmarks guide names them
+READS = ("comm_p*_*.json, comm_density*.json, comm_vgg16_*.json, simulation.json and "
+         "codec_speed_*.json")
 
 
 if __name__ == "__main__":

@@ -129,7 +129,13 @@ def tables(folder: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path)
-    print(tables(p.parse_args(argv).folder), end="")
+    folder = p.parse_args(argv).folder
+    made = tables(folder)
+    if not made:
+        p.exit(1, f"{p.prog}: no results to tabulate in {folder}: it reads comm_vgg16_*.json, "
+                  "simulation.json, codecs_spardl.json, codec_speed_*.json and kernels_*.json "
+                  "(name a benchmark's --json after them)\n")
+    print(made, end="")
 
 
 if __name__ == "__main__":

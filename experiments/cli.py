@@ -109,7 +109,8 @@ def grace_params(args: argparse.Namespace, steps_per_epoch: int | None = None) -
     params.update(dgc_options(args))
     if args.deepreduce:
         if params["communicator"] in ("dense", "allreduce", "broadcast"):
-            raise SystemExit(f"--deepreduce codes sparse messages; {args.compressor} sends none")
+            sender = args.compressor if args.compression else "dense (no --compression)"
+            raise SystemExit(f"--deepreduce codes sparse messages; {sender} sends none")
         params.update(deepreduce=args.deepreduce, index=args.index, value=args.value)
     if args.wire is not None:
         params["wire"] = args.wire
@@ -292,10 +293,12 @@ def _paths(p: argparse.ArgumentParser) -> None:
                         "grace_from_params' 'exchange_period')")
     p.add_argument("--outer-lr", type=float, default=registry.DEFAULTS["outer_lr"],
                    help="with --exchange update: the outer step's learning rate on the averaged "
-                        "move (grace_from_params' 'outer_lr'; DiLoCo's 0.7)")
+                        "move (grace_from_params' 'outer_lr'; default %(default)s, plain "
+                        "averaging; DiLoCo uses 0.7)")
     p.add_argument("--outer-momentum", type=float, default=registry.DEFAULTS["outer_momentum"],
                    help="with --exchange update: the outer step's Nesterov momentum "
-                        "(grace_from_params' 'outer_momentum'; DiLoCo's 0.9)")
+                        "(grace_from_params' 'outer_momentum'; default %(default)s; DiLoCo "
+                        "uses 0.9)")
     p.add_argument("--deepreduce", default=None, choices=("value", "index", "both"))
     p.add_argument("--index", default="bloom")
     p.add_argument("--value", default="polyfit")
@@ -355,10 +358,13 @@ def _check_run(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     unknown = set(filter(None, args.log.split(","))) - set(LOGS)
     if unknown:
         p.error(f"unknown --log {sorted(unknown)}; valid choices: {', '.join(LOGS)}")
-    if args.nworkers < 1 or args.batch_size < 1 or args.max_epochs < 0 or args.eval_every < 0 \
+    if args.nworkers < 1 or args.batch_size < 1 or args.max_epochs < 1 or args.eval_every < 0 \
             or (args.density_warmup or 0) < 0 or args.checkpoint_every < 0:
-        p.error("--nworkers and --batch-size must be >= 1, --max-epochs, --density-warmup, "
+        p.error("--nworkers, --batch-size and --max-epochs must be >= 1, --density-warmup, "
                 "--eval-every and --checkpoint-every >= 0")
+    if args.lr <= 0 or (args.train_samples is not None and args.train_samples < 1):
+        p.error(f"--lr must be > 0 and --train-samples >= 1, got {args.lr} and "
+                f"{args.train_samples}")
     if args.stop_at_target and args.target_accuracy is None:
         p.error("--stop-at-target needs --target-accuracy")
     if not 0 < args.density_warmup_start <= 1:

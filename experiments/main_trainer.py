@@ -153,6 +153,10 @@ def spread_subset(inputs: torch.Tensor, labels: torch.Tensor, count: int | None
 
 def train(args: argparse.Namespace, transport) -> dict[str, Any]:
     """Train on this rank; returns the final summary (identical metrics on every rank)."""
+    if args.nworkers not in (1, transport.size) and transport.rank == 0:
+        logging.getLogger(__name__).warning(
+            "--nworkers %d launches workers from a plain command; this run has the "
+            "launcher's %d ranks", args.nworkers, transport.size)
     return Trainer(args, transport).run()
 
 
@@ -171,9 +175,7 @@ class Trainer:
         self.out = Path(args.out)
         self.checkpoint = self.out / f"ckpt-rank{self.rank}.pt"
         self.first_step, self.resumed, self.run_id = self._resume()
-        self.logger = Logger(args, self.rank, {**vars(args), "grace": self.params,
-                                               "workers": self.world},
-                             append=self.resumed is not None)
+        self.logger = self._start_logger()
         # Each start of the run, fresh or resumed, is on record: a launcher's restarts show.
         self.logger.log({"kind": "start", "step": self.first_step,
                          "resumed": self.resumed is not None}, self.first_step)
@@ -183,6 +185,7 @@ class Trainer:
         # One machine's cores: rank 0 alone starts the other work.
         self.load = LoadBurst(*args.load_burst) if args.load_burst and self.rank == 0 else None
         self.clock = Clock()
+        self._tally: dict[str, Any] | None = None  # the epoch's so far (checkpointed with it)
         first_epoch = self.first_step // max(self.steps_per_epoch, 1)
         self.totals = {"time_to_target_s": None, "steps_to_target": None, "steps": 0,
                        "stopped": False, "last_eval": None, "bytes_at_start": self.sync.bytes_sent,
@@ -193,6 +196,26 @@ class Trainer:
         # it was ending) has no epoch left to train and reports the one its checkpoint holds.
         self.summary: dict[str, Any] = \
             dict(self.resumed.get("summary", {})) if self.resumed is not None else {}
+
+    def _start_logger(self) -> Logger:
+        """Rank 0's logs (W&B's run among them), or SystemExit on every rank saying why rank 0
+        could not start them (the others took rank 0's exit for a peer's failure before,
+        a minute later, and said nothing of W&B)."""
+        from spardl_grace.broadcast import broadcast_object
+
+        logger, failure = None, None
+        try:
+            logger = Logger(self.args, self.rank, {**vars(self.args), "grace": self.params,
+                                                   "workers": self.world},
+                            append=self.resumed is not None)
+        except (Exception, SystemExit) as exc:  # W&B raises its own errors, and SystemExit
+            failure = f"{type(exc).__name__}: {exc}"
+        own, failure = failure, broadcast_object(failure, 0, self.transport, "trainer.logger")
+        if failure is not None:
+            raise SystemExit(f"--log {self.args.log}: rank 0 could not start its logs: {failure}")
+        if logger is None:
+            raise SystemExit(f"--log {self.args.log}: rank {self.rank} could not start: {own}")
+        return logger
 
     def _load_data(self) -> None:
         from testbed.datasets import load_dataset
@@ -248,6 +271,15 @@ class Trainer:
         if resumed is None:
             return 0, None, new_run_id(self.transport)
         saved = resumed[0]
+        changed = {k: (v, self._settings()[k]) for k, v in saved.get("settings", {}).items()
+                   if self._settings().get(k) != v}
+        if changed:  # every rank loaded the same step's checkpoint: every rank exits
+            said = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
+            raise SystemExit(
+                f"--resume: the checkpoint in {self.out} was written with other settings ({said}). "
+                "A resumed run continues its own algorithm and learning-rate schedule (the saved "
+                "schedule would win over a new --lr in silence): keep the settings, or start a "
+                "new run in another --out (or with --resume never)")
         self.model.load_state_dict(saved["model"])
         self.sync.optimizer.load_state_dict(saved["optimizer"])
         self.sync.load_compression_state(saved["compression"])
@@ -256,6 +288,12 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_rng_state(saved["cuda_rng"], self.device)
         return saved["step"], saved, saved["run_id"]
+
+    def _settings(self) -> dict[str, Any]:
+        """What a resumed run must share with the run it resumes (checkpointed with it)."""
+        args = self.args
+        return {"grace": self.params, "lr": args.lr, "batch_size": args.batch_size,
+                "dnn": args.dnn, "dataset": args.dataset, "seed": args.seed}
 
     def save(self, step: int) -> None:
         """This rank's whole state after `step` steps (crash-safe; the previous one is kept)."""
@@ -268,7 +306,8 @@ class Trainer:
                          "optimizer": self.sync.optimizer.state_dict(),
                          "compression": state, "scheduler": self.scheduler.state_dict(),
                          "rng": torch.get_rng_state(), "step": step, "run_id": self.run_id,
-                         "summary": self.summary, **cuda},
+                         "summary": self.summary, "settings": self._settings(), **cuda,
+                         **({"epoch_tally": t} if (t := self._tally_to_save()) else {})},
                         self.checkpoint)
 
     def evaluation(self, step: int, epoch: float) -> dict[str, Any]:
@@ -326,7 +365,10 @@ class Trainer:
             args.seed * 1000 + epoch * 100 + self.rank))]
         tally = {"sync_s": 0.0, "losses": [], "correct": 0, "seen": 0, "samples": 0, "done": 0,
                  "split": dict.fromkeys(TIME_SPLIT, 0.0), "sent_before": sync.bytes_sent,
-                 "clock_before": self.clock.total}
+                 "clock_before": self.clock.total, "before": start}
+        if start and self.resumed is not None and "epoch_tally" in self.resumed:
+            self._carry_on(tally, self.resumed["epoch_tally"])
+        self._tally = tally
         self.clock.start()
         for i in range(start, spe):
             step = epoch * spe + i
@@ -337,14 +379,36 @@ class Trainer:
                 self.evaluation(step + 1, epoch + (i + 1) / spe)
                 if self.totals["stopped"]:
                     break
-        done = tally["done"]
+        done = tally["before"] + tally["done"]  # the epoch's steps, those resumed past too
         # Stopped by the budget: the evaluation that said so is this epoch's last.
         last = self.totals["last_eval"] if self.totals["stopped"] else \
-            self.evaluation(epoch * spe + start + done, epoch + (start + done) / max(spe, 1))
+            self.evaluation(epoch * spe + done, epoch + done / max(spe, 1))
         self.clock.stop()
         self.summary = self._epoch_summary(epoch, tally, last)
         self.logger.log(self.summary, self.summary["step"])
-        self.save(epoch * spe + start + done)
+        self._tally = None
+        self.save(epoch * spe + done)
+
+    def _carry_on(self, tally: dict[str, Any], saved: dict[str, Any]) -> None:
+        """Start `tally` from the one a mid-epoch checkpoint holds (its steps' losses,
+        accuracy counts, bytes and seconds), so the epoch's summary covers the whole epoch."""
+        for key in ("sync_s", "losses", "correct", "seen", "samples", "split"):
+            tally[key] = saved[key]
+        tally["before"] = 0
+        tally["done"] = saved["done"]
+        tally["sent_before"] -= saved["sent"]
+        tally["clock_before"] -= saved["clock_s"]
+
+    def _tally_to_save(self) -> dict[str, Any] | None:
+        """The epoch's tally so far, with its bytes and seconds as amounts (None between
+        epochs, and for a tally that does not start at the epoch's beginning)."""
+        tally = self._tally
+        if tally is None or tally["before"]:
+            return None
+        return {**{k: tally[k] for k in ("sync_s", "losses", "correct", "seen", "samples",
+                                         "split", "done")},
+                "sent": self.sync.bytes_sent - tally["sent_before"],
+                "clock_s": self.clock.total - tally["clock_before"]}
 
     def _step(self, step: int, epoch: int, batch: torch.Tensor, tally: dict[str, Any]) -> None:
         """One training step on `batch` (indices), its record logged and tallied."""
@@ -395,7 +459,8 @@ class Trainer:
         done, world = tally["done"], self.world
         bytes_per_step = (self.sync.bytes_sent - tally["sent_before"]) / max(done, 1)
         rate = tally["samples"] * world / max(elapsed, 1e-9)
-        return {"kind": "epoch", "step": epoch * self.steps_per_epoch + done, "epoch": epoch,
+        return {"kind": "epoch", "step": epoch * self.steps_per_epoch + tally["before"] + done,
+                "epoch": epoch,
                 "train_loss": sum(tally["losses"]) / max(len(tally["losses"]), 1),
                 "train_accuracy": tally["correct"] / max(tally["seen"], 1),
                 "test_loss": last["test_loss"], "test_accuracy": last["test_accuracy"],

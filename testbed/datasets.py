@@ -34,19 +34,24 @@ def read_idx(path: Path) -> np.ndarray:
     return body.reshape(shape)
 
 
-def load_fashion_mnist(split: str = "train", data_dir: Path | str | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(images float32 N x 1 x 28 x 28 scaled to [0, 1], labels int64 N) of 'train' or 'test'."""
+FASHION_MNIST_MISSING = (
+    "Fashion-MNIST not found under {root}: install the Debian package (apt-get install "
+    "dataset-fashion-mnist, done by scripts/setup_env.sh) or pass --data-dir pointing at the "
+    "four *-idx*-ubyte.gz files")
+
+
+def load_fashion_mnist(split: str = "train", data_dir: Path | str | None = None,
+                       missing: str = FASHION_MNIST_MISSING) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images float32 N x 1 x 28 x 28 scaled to [0, 1], labels int64 N) of 'train' or 'test'
+    from the IDX gzip files under data_dir; FileNotFoundError with `missing` (its {root}
+    filled) when they are not there."""
     check_split(split)
     root = Path(data_dir) if data_dir is not None else FASHION_MNIST_DIR
     prefix = "train" if split == "train" else "t10k"
     images_path = root / f"{prefix}-images-idx3-ubyte.gz"
     labels_path = root / f"{prefix}-labels-idx1-ubyte.gz"
     if not images_path.exists() or not labels_path.exists():
-        raise FileNotFoundError(
-            f"Fashion-MNIST not found under {root}: install the Debian package "
-            "(apt-get install dataset-fashion-mnist, done by scripts/setup_env.sh) or pass "
-            "--data-dir pointing at the four *-idx*-ubyte.gz files")
+        raise FileNotFoundError(missing.format(root=root))
     images = torch.from_numpy(read_idx(images_path).copy()).float().div_(255).unsqueeze(1)
     labels = torch.from_numpy(read_idx(labels_path).astype(np.int64))
     return images, labels
@@ -55,11 +60,12 @@ def load_fashion_mnist(split: str = "train", data_dir: Path | str | None = None
 def load_mnist(split: str = "train", data_dir: Path | str | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """MNIST from its IDX gzip files (the layout of Fashion-MNIST) under data_dir."""
+    missing = ("MNIST not found under {root}: it does not install with the project; download "
+               "the four *-idx*-ubyte.gz files of yann.lecun.com/exdb/mnist and pass --data-dir "
+               "pointing at them")
     if data_dir is None:
-        raise FileNotFoundError("MNIST does not install with the project: download the four "
-                                "*-idx*-ubyte.gz files of yann.lecun.com/exdb/mnist and pass "
-                                "--data-dir pointing at them")
-    return load_fashion_mnist(split, data_dir)
+        raise FileNotFoundError(missing.format(root="no --data-dir"))
+    return load_fashion_mnist(split, data_dir, missing)
 
 
 def load_digits(split: str = "train", data_dir: Path | str | None = None

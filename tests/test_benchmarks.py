@@ -916,3 +916,14 @@ def test_oversubscribe_times_exchanges_with_one_thread_and_with_several(tmp_path
     for cells in result["threads"].values():
         assert set(cells) == {"1000", "40000"}
         assert all(0 < c["median_s"] <= c["p90_s"] for c in cells.values())
+
+
+@pytest.mark.parametrize("tool", ["plots", "tables"])
+def test_plots_and_tables_say_what_they_read_when_nothing_matches(tmp_path, tool, capsys):
+    """A folder holding the guide's `--json out.json` printed nothing and exited 0."""
+    import importlib
+    (tmp_path / "out.json").write_text("{}")
+    with pytest.raises(SystemExit) as caught:
+        importlib.import_module(f"benchmarks.{tool}").main([str(tmp_path)])
+    assert caught.value.code == 1
+    assert "comm_vgg16_*.json" in capsys.readouterr().err

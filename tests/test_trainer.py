@@ -200,6 +200,13 @@ def test_a_missing_data_set_says_how_to_get_it(tmp_path, name, match):
         load_dataset(name, "train", None if name == "mnist" else tmp_path)
 
 
+def test_mnist_in_an_empty_folder_names_mnist_not_fashion_mnist(tmp_path):
+    """It said 'Fashion-MNIST not found ... apt-get install dataset-fashion-mnist'."""
+    with pytest.raises(FileNotFoundError, match="MNIST not found under .*exdb/mnist") as caught:
+        load_dataset("mnist", "train", tmp_path)
+    assert "Fashion" not in str(caught.value)
+
+
 def test_installed_data_sets_load():
     x, y = load_dataset("fashion-mnist", "test")
     assert x.shape == (10000, 1, 28, 28) and int(y.max()) == 9
@@ -319,6 +326,31 @@ def test_resume_within_an_epoch_from_the_previous_checkpoint_is_bit_identical(tm
     rest = _args(tmp_path / "cut", *opts, "--checkpoint-every", "2", "--resume")
     run_local(2, lambda t: main_trainer.train(rest, t))
     _assert_same_final_params(tmp_path / "full", tmp_path / "cut")
+    # the epoch's record covers the whole epoch (it said step 2 and the last 2 steps' loss)
+    full_epoch, cut_epoch = (
+        [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()
+         if '"kind": "epoch"' in line][-1] for run in ("full", "cut"))
+    for key in ("step", "train_loss", "train_accuracy"):
+        assert cut_epoch[key] == full_epoch[key], key
+    # over the whole epoch too, within a few bytes (the resumed process sent 16 more in 6 steps)
+    assert cut_epoch["bytes_sent_per_step"] == pytest.approx(full_epoch["bytes_sent_per_step"],
+                                                             rel=1e-3)
+
+
+@pytest.mark.parametrize("changed, says", [
+    (["--lr", "0.5"], "lr: 0.05 there, 0.5 now"),
+    (["--compressor", "topka"], "'communicator': 'spardl'"),
+    (["--density", "0.1"], "'compress_ratio': 0.05"),
+])
+def test_resume_with_other_settings_is_refused_naming_them(tmp_path, changed, says):
+    """A new --lr was ignored in silence (the saved schedule won), and another algorithm took
+    over mid-run (dense dropped SparDL's residuals)."""
+    opts = ["--compression", "--compressor", "spardl", "--density", "0.05", "--lr", "0.05"]
+    run_local(2, lambda t: main_trainer.train(_args(tmp_path, *opts), t))
+    again = _args(tmp_path, *opts, *changed, "--max-epochs", "2", "--resume")
+    results = run_local(2, lambda t: _exit_of(lambda: main_trainer.train(again, t)))
+    for said in results:
+        assert "written with other settings" in said and says in said
 
 
 def test_resume_takes_the_step_every_rank_holds_and_stays_bit_identical(tmp_path):
@@ -777,6 +809,28 @@ def test_wandb_and_tensorboard_log_every_key_offline(tmp_path, monkeypatch):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_a_logger_rank_0_cannot_start_stops_every_rank_saying_why(tmp_path, monkeypatch):
+    """W&B online without an API key: rank 0's wandb.init raised, and the other ranks said, a
+    minute later, that a peer failed at its first synchronisation, nothing of W&B."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("No API key configured")  # what wandb.init raises online, keyless
+
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setattr(wandb, "init", refuse)
+    args = _args(tmp_path, "--log", "csv,wandb")
+    results = run_local(2, lambda t: _exit_of(lambda: main_trainer.train(args, t)))
+    for said in results:
+        assert "rank 0 could not start its logs: RuntimeError: No API key configured" in said
+
+
+def _exit_of(fn) -> str:
+    try:
+        fn()
+    except SystemExit as exc:
+        return str(exc)
+    return ""
+
+
 def test_sparse_allreduces_warm_their_density_up_by_default(tmp_path):
     """The recorded ablation chose DGC's density warm-up over a quarter epoch for the sparse
     all-reduces; GRACE's compressors, dense and an explicit 0 keep the density fixed."""
@@ -924,3 +978,21 @@ def test_sample_limits_keep_the_class_mix_of_a_set_stored_by_class():
     assert torch.equal(sub_inputs[1], inputs[len(labels) // 2000])
     assert main_trainer.spread_subset(inputs, labels, None)[1] is labels
     assert main_trainer.spread_subset(inputs, labels, 10 ** 9)[1] is labels
+
+
+@pytest.mark.parametrize("bad, says", [
+    (["--max-epochs", "0"], "--max-epochs must be >= 1"),  # KeyError: 'step' at the end
+    (["--lr", "-0.1"], "--lr must be > 0"),  # torch's error on every rank, after the start
+    (["--train-samples", "0"], "--train-samples >= 1"),  # 'upper bound and lower bound ...'
+])
+def test_bad_numbers_are_usage_errors_before_any_worker_starts(tmp_path, capsys, bad, says):
+    with pytest.raises(SystemExit):
+        _args(tmp_path, *bad)
+    assert says in capsys.readouterr().err
+
+
+def test_deepreduce_without_compression_names_dense():
+    """It named the default --compressor (spardl), which a run without --compression never
+    uses."""
+    with pytest.raises(SystemExit, match="dense \\(no --compression\\) sends none"):
+        cli.parse_args(["--deepreduce", "index"])
