@@ -23,7 +23,7 @@ from .api import SparseAllreduce, Synchronizer
 #: what each way in can do instead (the choosing guide's Adam row, as far as it applies there)
 _INSTEAD = {
     "DistributedOptimizer": (
-        "exchange the optimizer's steps instead ('exchange': 'update', 'exchange_period': 4, "
+        "exchange the optimizer's steps ('exchange': 'update', 'exchange_period': 4, "
         "'compress_ratio': 0.4 with coded entries: the choosing guide's best sparse arm), or "
         "freeze Adam's second moment after a dense start ('adam_freeze_step'), or synchronise "
         "dense in 16 bits where half the bytes is enough"
