@@ -271,8 +271,9 @@ class Trainer:
         if resumed is None:
             return 0, None, new_run_id(self.transport)
         saved = resumed[0]
-        changed = {k: (v, self._settings()[k]) for k, v in saved.get("settings", {}).items()
-                   if self._settings().get(k) != v}
+        now = self._settings()
+        changed = {k: (v, now.get(k)) for k, v in saved.get("settings", {}).items()
+                   if now.get(k) != v}
         if changed:  # every rank loaded the same step's checkpoint: every rank exits
             said = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
             raise SystemExit(

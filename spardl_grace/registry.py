@@ -575,12 +575,12 @@ def check_is_a_dict(params: object) -> None:
 
 def resolve_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """GRACE params with defaults filled in and every value validated."""
+    check_is_a_dict(params)
     return _resolve(params)[0]
 
 
 def _resolve(params: Mapping[str, Any]) -> tuple[dict[str, Any], PayloadCodec | None]:
     """resolve_params(params), and the codec a registered package's keys in it choose."""
-    check_is_a_dict(params)
     known = known_keys()
     unknown = set(params) - known
     if unknown:
