@@ -188,7 +188,8 @@ class Trainer:
         self._tally: dict[str, Any] | None = None  # the epoch's so far (checkpointed with it)
         first_epoch = self.first_step // max(self.steps_per_epoch, 1)
         self.totals = {"time_to_target_s": None, "steps_to_target": None, "steps": 0,
-                       "stopped": False, "last_eval": None, "bytes_at_start": self.sync.bytes_sent,
+                       "stopped": False, "stopped_by_budget": False, "stopped_at_target": False,
+                       "last_eval": None, "bytes_at_start": self.sync.bytes_sent,
                        "wire_at_start": interface_tx_bytes()}
         self.window = {"step": first_epoch * self.steps_per_epoch, "bytes": self.sync.bytes_sent,
                        "wire": interface_tx_bytes()}
@@ -314,19 +315,20 @@ class Trainer:
     def evaluation(self, step: int, epoch: float) -> dict[str, Any]:
         """Evaluate on rank 0 with the clock stopped; every rank gets the same figures."""
         args, totals, window = self.args, self.totals, self.window
-        figures = torch.zeros(4, dtype=torch.float64)
+        figures = torch.zeros(5, dtype=torch.float64)
         scored = self.sync.evaluation_model(self.rank) if args.fsdp else self.model  # all gather
         if self.rank == 0:
             train_s = self.clock.stop()
             loss, acc = evaluate(scored, self.test_images, self.test_labels)
-            stop = (args.time_budget is not None and train_s >= args.time_budget) or \
-                (args.stop_at_target and acc >= args.target_accuracy)
-            figures = torch.tensor([loss, acc, float(stop), train_s], dtype=torch.float64)
+            over_budget = args.time_budget is not None and train_s >= args.time_budget
+            at_target = args.stop_at_target and acc >= args.target_accuracy
+            figures = torch.tensor([loss, acc, float(over_budget), float(at_target), train_s],
+                                   dtype=torch.float64)
         else:
             self.clock.stop()
         # Rank 0's clock is the run's: every rank logs and stops on the same figures.
         figures = self.transport.broadcast(figures, 0, f"trainer.eval.{step}")
-        test_loss, test_acc, stop, train_s = figures.tolist()
+        test_loss, test_acc, over_budget, at_target, train_s = figures.tolist()
         if args.target_accuracy is not None and totals["time_to_target_s"] is None \
                 and test_acc >= args.target_accuracy:
             totals["time_to_target_s"], totals["steps_to_target"] = train_s, step
@@ -341,7 +343,9 @@ class Trainer:
             record["wire_bytes_per_step"] = (wire - window["wire"]) / steps
         window.update(step=step, bytes=self.sync.bytes_sent, wire=wire)
         self.logger.log(record, step)
-        totals["stopped"], totals["last_eval"] = bool(stop), record
+        totals["stopped_by_budget"] = bool(over_budget)
+        totals["stopped_at_target"] = bool(at_target)
+        totals["stopped"], totals["last_eval"] = bool(over_budget or at_target), record
         self.clock.start()
         return record
 
@@ -481,7 +485,8 @@ class Trainer:
         summary = {**self.summary, "steps_run": totals["steps"],
                    "time_to_target_s": totals["time_to_target_s"],
                    "steps_to_target": totals["steps_to_target"],
-                   "stopped_by_budget": totals["stopped"],
+                   "stopped_by_budget": totals["stopped_by_budget"],
+                   "stopped_at_target": totals["stopped_at_target"],
                    "bytes_sent_per_step_run": (sync.bytes_sent - totals["bytes_at_start"]) / steps,
                    "dense_bytes_per_step": self.dense_bytes, "parameters": self.n_params}
         wire = interface_tx_bytes()

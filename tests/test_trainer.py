@@ -730,14 +730,25 @@ def test_time_budget_target_and_evaluations(tmp_path):
     args = _args(tmp_path, "--compression", "--compressor", "spardl", "--max-epochs", "2",
                  "--eval-every", "2", "--target-accuracy", "0", "--time-budget", "0")
     summaries = run_local(2, lambda t: main_trainer.train(args, t))
-    same = ("test_accuracy", "time_to_target_s", "steps_to_target", "steps_run", "stopped_by_budget")
+    same = ("test_accuracy", "time_to_target_s", "steps_to_target", "steps_run", "stopped_by_budget",
+            "stopped_at_target")
     assert [{k: s[k] for k in same} for s in summaries] == [{k: summaries[0][k] for k in same}] * 2
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records] == ["start", "step", "step", "eval", "epoch", "run"]
     run = records[-1]
     assert run["stopped_by_budget"] and run["steps_run"] == 2 and run["steps_to_target"] == 2
+    assert not run["stopped_at_target"]  # reached, but --stop-at-target was not asked for
     assert 0 < run["time_to_target_s"] == records[3]["train_s"] <= records[4]["train_s"]
     assert records[3]["eval/top-1"] == records[4]["test_accuracy"] == run["test_accuracy"]
+
+
+def test_stop_at_target_is_not_reported_as_the_budget(tmp_path):
+    """A run stopped by --stop-at-target says so, and not that its time budget ran out."""
+    args = _args(tmp_path, "--compression", "--compressor", "spardl", "--max-epochs", "2",
+                 "--eval-every", "2", "--target-accuracy", "0", "--stop-at-target")
+    summaries = run_local(2, lambda t: main_trainer.train(args, t))
+    assert [(s["stopped_at_target"], s["stopped_by_budget"], s["steps_run"]) for s in summaries] \
+        == [(True, False, 2)] * 2
 
 
 def test_bandwidth_needs_root_or_says_why(tmp_path):
