@@ -191,7 +191,8 @@ class Trainer:
                        "stopped": False, "stopped_by_budget": False, "stopped_at_target": False,
                        "last_eval": None, "bytes_at_start": self.sync.bytes_sent,
                        "wire_at_start": interface_tx_bytes()}
-        self.window = {"step": first_epoch * self.steps_per_epoch, "bytes": self.sync.bytes_sent,
+        # The bytes since the last evaluation: a resumed process counts from its first step.
+        self.window = {"step": self.first_step, "bytes": self.sync.bytes_sent,
                        "wire": interface_tx_bytes()}
         # The last finished epoch's summary: a run resumed after its last step (killed while
         # it was ending) has no epoch left to train and reports the one its checkpoint holds.
