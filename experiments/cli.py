@@ -413,6 +413,9 @@ def _check_compression(args: argparse.Namespace, p: argparse.ArgumentParser) -> 
     if args.powersgd_rank < 1 or args.powersgd_start_iter < 2:
         p.error("--powersgd-rank must be >= 1 and --powersgd-start-iter >= 2 (torch's hook "
                 "needs one plain step before it starts its error feedback)")
+    if args.teams != 1 and not (args.compression and args.compressor == "spardl"):
+        p.error(f"--teams sets SparDL's d: it needs --compression --compressor spardl, got "
+                f"{args.compressor if args.compression else 'dense (no --compression)'}")
     if args.diloco_period < 1:
         p.error(f"--diloco-period must be >= 1, got {args.diloco_period}")
     if not args.diloco_outer_lr > 0 or not 0 <= args.diloco_outer_momentum < 1:

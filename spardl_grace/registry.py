@@ -121,6 +121,20 @@ def _grace(cls: Callable[[Compressor, Memory, Transport], Synchronizer]) -> Buil
     return build
 
 
+#: the params only one sparse all-reduce reads, by communicator (constructor argument=param key)
+OWN_KEYS: dict[str, dict[str, str]] = {
+    "gtopk": {"residual_rule": "gtopk_residual"},
+    "oktopk": {
+        "warmup": "oktopk_warmup_steps",
+        "threshold_interval": "oktopk_threshold_interval",
+        "region_interval": "oktopk_region_interval",
+        "local_scale": "oktopk_local_scale",
+        "global_scale": "oktopk_global_scale",
+    },
+    "spardl": {"teams": "teams"},
+}
+
+
 def _sparse(cls: Callable[..., Synchronizer], **keys: str) -> Build:
     """Build a sparse all-reduce `cls` with the density, the codec, and the params `keys`
     names (constructor argument=param key)."""
@@ -171,26 +185,19 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm(
             "gtopk",
             "sparse",
-            _sparse(GTopk, residual_rule="gtopk_residual"),
+            _sparse(GTopk, **OWN_KEYS["gtopk"]),
             "gTop-k: the global top-k by recursive doubling (any number of workers)",
         ),
         Algorithm(
             "oktopk",
             "sparse",
-            _sparse(
-                OkTopk,
-                warmup="oktopk_warmup_steps",
-                threshold_interval="oktopk_threshold_interval",
-                region_interval="oktopk_region_interval",
-                local_scale="oktopk_local_scale",
-                global_scale="oktopk_global_scale",
-            ),
+            _sparse(OkTopk, **OWN_KEYS["oktopk"]),
             "Ok-Topk: thresholds reused across steps, balanced regions",
         ),
         Algorithm(
             "spardl",
             "sparse",
-            _sparse(SparDL, teams="teams"),
+            _sparse(SparDL, **OWN_KEYS["spardl"]),
             "SparDL: Spar-Reduce-Scatter, global residual collection, Spar-All-Gather in d teams",
         ),
         Algorithm(
@@ -612,6 +619,7 @@ def _resolve(params: Mapping[str, Any]) -> tuple[dict[str, Any], PayloadCodec | 
         p.update(keys.resolve(p))
     chosen = _codec_of(p)
     _check_auto(p, set(params), coded=chosen is not None)
+    _check_own_keys(p, {ALIASES.get(k, k) for k in params})
     _check_combination(p, coded=chosen is not None)
     if "wire" in params:
         _check_wire(p["communicator"], coded=chosen is not None)
@@ -626,6 +634,24 @@ def _resolve(params: Mapping[str, Any]) -> tuple[dict[str, Any], PayloadCodec | 
             "(a GRACE compressor's density changes with set_density)"
         )
     return p, chosen
+
+
+def _check_own_keys(p: dict[str, Any], given: set[str]) -> None:
+    """A key that configures one communicator (SparDL's teams, Ok-Topk's intervals, gTop-k's
+    residual rule) or the PowerSGD compressor (its rank) is refused with any other, rather
+    than ignored."""
+    for comm, keys in OWN_KEYS.items():
+        stray = sorted(given & set(keys.values()))
+        if stray and p["communicator"] != comm:
+            raise ValueError(
+                f"{', '.join(stray)} configure{'s' if len(stray) == 1 else ''} communicator "
+                f"{comm!r}; communicator {p['communicator']!r} has none"
+            )
+    if "powersgd_rank" in given and p["compressor"] != "powersgd":
+        raise ValueError(
+            "powersgd_rank (GRACE's compress_rank) configures compressor 'powersgd'; "
+            f"compressor {p['compressor']!r} has none"
+        )
 
 
 def _check_wire(comm: str, coded: bool) -> None:

@@ -31,7 +31,8 @@ def allreduce_params(name: str, teams: int) -> dict[str, Any]:
     """GRACE params of a sparse all-reduce (top-k with global residuals), or of dense."""
     if name in ("dense", "none"):
         return {"compressor": "none", "memory": "none", "communicator": "dense"}
-    return {"compressor": "topk", "memory": "global_residual", "communicator": name, "teams": teams}
+    params = {"compressor": "topk", "memory": "global_residual", "communicator": name}
+    return {**params, "teams": teams} if name == "spardl" else params
 
 
 # The sparse all-reduces run with the training CLI's default DGC density warm-up (chosen by the

@@ -2,6 +2,8 @@
 registry validates from: every default is valid, every key refuses a bad value by name."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from spardl_grace import registry
@@ -76,3 +78,23 @@ def test_parameters_that_are_not_a_dict_are_refused_showing_the_form(params):
     for build in (resolve_params, lambda p: grace_from_params(p, transport=None)):
         with pytest.raises(TypeError, match="a dict of keys to values, e.g. {'compressor'"):
             build(params)
+
+
+@pytest.mark.parametrize("given,says", [
+    ({"communicator": "topka", "teams": 2}, "teams configures communicator 'spardl'; "
+                                            "communicator 'topka' has none"),
+    ({"oktopk_region_interval": 8}, "oktopk_region_interval configures communicator 'oktopk'; "
+                                    "communicator 'spardl' has none"),
+    ({"communicator": "topka", "gtopk_residual": "paper"},
+     "gtopk_residual configures communicator 'gtopk'"),
+    ({"compress_rank": 2}, "powersgd_rank (GRACE's compress_rank) configures compressor "
+                           "'powersgd'; compressor 'topk' has none"),
+])
+def test_a_key_of_one_communicator_is_refused_with_another(given, says):
+    """It was accepted and ignored: SparDL's teams with TopkA sent what teams 1 sends."""
+    with pytest.raises(ValueError, match=f"^{re.escape(says)}"):
+        resolve_params({**SPARSE, **given})
+    owner = {"teams": "spardl", "oktopk_region_interval": "oktopk", "gtopk_residual": "gtopk"}
+    for key, comm in owner.items():
+        if key in given:
+            resolve_params({**SPARSE, **given, "communicator": comm})

@@ -1000,6 +1000,8 @@ def test_sample_limits_keep_the_class_mix_of_a_set_stored_by_class():
     (["--max-epochs", "0"], "--max-epochs must be >= 1"),  # KeyError: 'step' at the end
     (["--lr", "-0.1"], "--lr must be > 0"),  # torch's error on every rank, after the start
     (["--train-samples", "0"], "--train-samples >= 1"),  # 'upper bound and lower bound ...'
+    (["--compression", "--compressor", "gtopk", "--teams", "2"],  # ignored: gTop-k ran alone
+     "--teams sets SparDL's d: it needs --compression --compressor spardl, got gtopk"),
 ])
 def test_bad_numbers_are_usage_errors_before_any_worker_starts(tmp_path, capsys, bad, says):
     with pytest.raises(SystemExit):
