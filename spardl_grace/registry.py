@@ -730,6 +730,14 @@ def _check_auto(p: dict[str, Any], given: set[str], coded: bool) -> None:
         )
 
 
+#: the compressors that work only with the memory of their name, and why
+PAIRED = {
+    "powersgd": "the memory keeps the compressor's error feedback",
+    "efsignsgd": "the compressor's aggregate divides by lr what only that memory multiplies "
+    "by lr: alone, either one scales the gradient by lr or 1/lr",
+}
+
+
 def _check_combination(p: dict[str, Any], coded: bool) -> None:
     comp, mem, comm = p["compressor"], p["memory"], p["communicator"]
     if not p["momentum_masking"] and not p["momentum_correction"]:
@@ -811,8 +819,12 @@ def _check_combination(p: dict[str, Any], coded: bool) -> None:
         raise ValueError(
             "compressor 'powersgd' communicates inside compress: use communicator 'allreduce'"
         )
-    if (mem == "powersgd") != (comp == "powersgd"):
-        raise ValueError("compressor 'powersgd' and memory 'powersgd' go together")
+    for name in PAIRED:
+        if (mem == name) != (comp == name):
+            raise ValueError(
+                f"compressor {name!r} and memory {name!r} go together ({PAIRED[name]}), "
+                f"got compressor {comp!r}, memory {mem!r}"
+            )
     if mem == "dgc" and comp not in SPARSE_INDEX_COMPRESSORS:
         raise ValueError(
             f"memory 'dgc' masks sent indices: use a compressor in "
@@ -843,7 +855,13 @@ def grace_from_params(
     }
     sparse = params.get("communicator", DEFAULTS["communicator"]) in SPARSE_COMMUNICATORS
     # Objects stand aside while the names are validated; the communicator checks them itself.
-    stand_in = {"compressor": "topk" if sparse else "none", "memory": "none"}
+    # Beside a name that needs its partner (powersgd, efsignsgd), an object stands in as that.
+    stand_in = {
+        key: partner
+        if (partner := params.get(other)) in PAIRED
+        else ("topk" if sparse and key == "compressor" else "none")
+        for key, other in (("compressor", "memory"), ("memory", "compressor"))
+    }
     p, chosen = _resolve({**params, **{key: stand_in[key] for key in given}})
     if codec is not None and chosen is not None:
         raise ValueError(

@@ -105,6 +105,11 @@ def test_sign_majority_vote_is_not_averaged():
     ({"memory": "global_residual", "compressor": "topk", "communicator": "allgather"},
      "with communicator 'allgather' use 'residual'"),
     ({"compressor": "powersgd", "communicator": "allreduce"}, "go together"),
+    # alone, efsignsgd's compressor sent 1/lr times the gradient, its memory lr times it
+    ({"compressor": "efsignsgd", "communicator": "allgather"},
+     "compressor 'efsignsgd' and memory 'efsignsgd' go together .*1/lr"),
+    ({"compressor": "topk", "memory": "efsignsgd", "communicator": "allgather"},
+     "got compressor 'topk', memory 'efsignsgd'"),
     ({"compressor": "signsgd", "memory": "dgc", "communicator": "allgather"}, "masks sent indices"),
     ({"compress_ratio": 0.1, "density": 0.2}, "alias"),
 ])

@@ -131,6 +131,14 @@ def test_grace_from_params_takes_objects_and_checks_the_rest():
                                  "communicator": "allgather"}, transport=t)
         return type(grc).__name__, type(grc.compressor).__name__, grc.state_dict()["compressor"]
     assert run_local(2, fn)[0] == ("Allgather", "PlainTopK", {})  # no state_dict: not saved
+    # an object beside the name of its partner stands in as that partner (efsignsgd's pair)
+    from spardl_grace.compressors.efsignsgd import EFSignSGDCompressor
+    from spardl_grace.memories.efsignsgd import EFSignSGDMemory
+    for pair in ({"compressor": "efsignsgd", "memory": EFSignSGDMemory(0.1)},
+                 {"compressor": EFSignSGDCompressor(0.1), "memory": "efsignsgd"}):
+        built = run_local(2, lambda t, pair=pair: type(grace_from_params(
+            {**pair, "communicator": "allgather"}, transport=t).memory).__name__)
+        assert built == ["EFSignSGDMemory"] * 2
     with pytest.raises(ValueError, match="unknown communicator 'ring'"):
         run_local(2, lambda t: grace_from_params({"compressor": gs.PlainNone(), "communicator": "ring"},
                                                  transport=t))
