@@ -7,7 +7,9 @@ guide's Adam row gives what does better. warn_if_adam_on_selected_gradient() say
 DistributedOptimizer wraps such an optimizer and, under the DDP hook and FSDP2, at the first
 step of one (spardl_grace.step_hooks). 'adam_freeze_step' and 'exchange': 'update' are the
 library's answers to it and do not warn; neither does a selection at density 1, nor anything
-that sends every entry (dense, a quantiser, PowerSGD).
+that sends every entry (dense, a quantiser, PowerSGD). 'auto' with its default candidates
+does not warn either: under such an optimizer it keeps to dense and bfloat16 dense, the
+guide's choice there (advise_adam_user), and says so once on its logger.
 """
 
 from __future__ import annotations
@@ -79,6 +81,34 @@ def selection_of(grace: Synchronizer) -> str | None:
     return f"compressor {type(compressor).__name__}{at}"
 
 
+def advise_adam_user(
+    optimizer: torch.optim.Optimizer, grace: Synchronizer, where: str, stacklevel: int = 3
+) -> None:
+    """Before `optimizer` steps on what `grace` synchronises: when it is an Adam
+    (is_adam_type), 'auto' with its default candidates keeps to those that send every entry
+    (Auto.keep_to_dense, logged once on rank 0), and any other selection of the raw
+    gradient warns (warn_if_adam_on_selected_gradient)."""
+    from .communicators.auto import LOG, Auto
+    from .planner import DEFAULT_CANDIDATES
+
+    if (
+        isinstance(grace, Auto)
+        and grace.candidates == ",".join(DEFAULT_CANDIDATES)
+        and is_adam_type(optimizer)
+        and grace.keep_to_dense()
+    ):
+        if grace.transport.rank == 0:
+            LOG.info(
+                "auto: %s is an Adam, which trains far behind dense on a selection of the raw "
+                "gradient: choosing among %s only (docs/guide/choosing.md, the Adam row; name "
+                "'auto_candidates' to choose SparDL's densities anyway)",
+                type(optimizer).__name__,
+                grace.candidates,
+            )
+        return
+    warn_if_adam_on_selected_gradient(optimizer, grace, where, stacklevel + 1)
+
+
 def warn_if_adam_on_selected_gradient(
     optimizer: torch.optim.Optimizer, grace: Synchronizer, where: str, stacklevel: int = 3
 ) -> None:
@@ -108,10 +138,10 @@ def warn_once_for(
     holder: Any, optimizer: torch.optim.Optimizer, grace: Synchronizer | None, where: str
 ) -> None:
     """For spardl_grace.step_hooks, before a step of `optimizer` that updates `holder`'s
-    parameters (a DDP hook state's, a ShardSync's): warn_if_adam_on_selected_gradient once per
-    holder, once its communicator `grace` has synchronised (None: not yet)."""
+    parameters (a DDP hook state's, a ShardSync's): advise_adam_user once per holder, once its
+    communicator `grace` has synchronised (None: not yet)."""
     if grace is None or holder in _WARNED:
         return
     _WARNED.add(holder)
     # the user's optimizer.step(), torch's step wrapper, step_hooks' pre-hook and _take_over
-    warn_if_adam_on_selected_gradient(optimizer, grace, where, stacklevel=6)
+    advise_adam_user(optimizer, grace, where, stacklevel=6)

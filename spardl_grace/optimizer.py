@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import torch
 
-from .adam_advice import warn_if_adam_on_selected_gradient
+from .adam_advice import advise_adam_user
 from .api import Synchronizer, communication_dtype
 from .buffers import BufferPool
 from .checkpoint import warn_if_resumed_afresh
@@ -789,7 +789,7 @@ def DistributedOptimizer(
         memory.nesterov = uses_nesterov(taken_over_groups(optimizer, mc))
     if grace.adam_freeze_step:
         check_optimizer(optimizer, grace.adam_freeze_step)
-    warn_if_adam_on_selected_gradient(optimizer, grace, "DistributedOptimizer")
+    advise_adam_user(optimizer, grace, "DistributedOptimizer")
     every = _named(optimizer, named_parameters)  # frozen ones too: their residuals may resume
     named = [(n, p) for n, p in every if p.requires_grad]
     explicit = parameter_groups(groups, num_groups, [p for _, p in named])

@@ -4,6 +4,7 @@ run_local; the DDP hook's and FSDP2's warning is checked under torchrun in test_
 and test_fsdp."""
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 import deepreduce_compat  # noqa: F401  (registers DeepReduce's keys)
 from spardl_grace import DistributedOptimizer, grace_from_params
 from spardl_grace.adam_advice import is_adam_type, selection_of
+from spardl_grace.planner import DEFAULT_CANDIDATES
 from spardl_grace.transport import run_local
 
 SPARDL = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
@@ -99,3 +101,81 @@ def test_distributed_optimizer_warns_for_adam_on_a_selected_gradient_and_says_wh
 ])
 def test_no_warning_where_nothing_was_measured_behind(params, optimizer):
     assert _wrapped(params, optimizer) == []
+
+
+AUTO = {"compressor": "topk", "memory": "global_residual", "communicator": "auto",
+        "auto_measure_steps": 2}
+
+
+def _auto_under(optimizer, params: dict = AUTO, steps: int = 4):
+    """(each rank's candidates and plan's choice after `steps` steps, the warnings, rank 0's
+    'spardl_grace.auto' log lines) of DistributedOptimizer over `optimizer` with `params`."""
+    def fn(transport):
+        g = torch.Generator().manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        grc = grace_from_params(dict(params), transport=transport)
+        opt = DistributedOptimizer(optimizer(model.parameters(), lr=0.01), grc,
+                                   named_parameters=model.named_parameters())
+        data = torch.Generator().manual_seed(1 + transport.rank)
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(8, 64, generator=data)).square().mean().backward()
+            opt.step()
+        return grc.candidates, grc.plan.get("choice")
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines, log = Lines(), logging.getLogger("spardl_grace.auto")
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outcome = run_local(2, fn)
+    finally:
+        log.removeHandler(lines)
+    return outcome, [str(w.message) for w in caught if "steps on" in str(w.message)], lines.lines
+
+
+def test_auto_keeps_to_dense_under_an_adam_and_says_so_once():
+    """It chose among SparDL's densities on the raw gradient, which trains far behind dense
+    under Adam (the warning said so, and the run went on)."""
+    outcome, warned, lines = _auto_under(torch.optim.AdamW)
+    assert warned == []
+    assert [c for c, _ in outcome] == ["dense,dense16"] * 2
+    assert outcome[0][1] in ("dense", "dense16") and outcome[0][1] == outcome[1][1]
+    said = [line for line in lines if "is an Adam" in line]
+    assert len(said) == 1 and "AdamW" in said[0] and "auto_candidates" in said[0]
+
+
+def test_auto_keeps_its_candidates_under_sgd_and_when_named_under_an_adam():
+    default = ",".join(DEFAULT_CANDIDATES)
+    outcome, warned, _ = _auto_under(torch.optim.SGD)
+    assert [c for c, _ in outcome] == [default] * 2 and warned == []
+    named = {**AUTO, "auto_candidates": ["dense", "spardl@0.01"]}
+    outcome, warned, _ = _auto_under(torch.optim.Adam, named, steps=1)
+    assert [c for c, _ in outcome] == ["dense,spardl@0.01"] * 2
+    assert len(warned) == 2 and "'auto', which may choose spardl@0.01" in warned[0]
+
+
+def test_keep_to_dense_only_before_the_first_plan_and_with_a_dense_candidate():
+    from spardl_grace.communicators.auto import Auto
+    from spardl_grace.memories import ResidualMemory
+
+    def fn(t):
+        sparse_only = Auto(ResidualMemory(), t, candidates=["spardl@0.1", "spardl@0.01"])
+        auto = Auto(ResidualMemory(), t, candidates=["dense", "spardl@0.1"], measure_steps=2)
+        for _ in range(3):
+            auto.synchronize(torch.ones(4), "w")
+        return sparse_only.keep_to_dense(), bool(auto.plan), auto.keep_to_dense(), auto.candidates
+
+    assert run_local(2, fn) == [(False, True, False, "dense,spardl@0.1")] * 2

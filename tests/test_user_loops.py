@@ -273,6 +273,17 @@ def test_nanogpt_checkpoints_resume_exactly_with_each_ranks_state_and_never_sile
     assert torch.equal(ranks[0]["model+optimizer"]["params"], ranks[1]["model+optimizer"]["params"])
 
 
+def test_auto_keeps_to_dense_under_adamw_and_the_ddp_hook(tmp_path):
+    """It chose SparDL's densities on the raw gradient under AdamW (warning that this trains
+    far behind dense); now it plans among dense and bfloat16 dense."""
+    ranks = run_ranks("gloo", 2, "user_loops.auto_under_adamw_and_the_ddp_hook", tmp_path,
+                      timeout=240)
+    for r in ranks:
+        assert r["candidates"] == "dense,dense16" and r["warnings"] == []
+        assert r["choice"] == ranks[0]["choice"] in ("dense", "dense16")
+        assert torch.equal(r["params"], ranks[0]["params"])
+
+
 SPARDL_03 = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
              "compress_ratio": 0.3}
 

@@ -541,3 +541,26 @@ def nanogpt_checkpoints(_transport) -> dict:
             **{load: {k: v for k, v in _nanogpt_job(first, load, 3).items()
                       if k in ("params", "error", "warnings", "adam_advice")}
                for load in ("model+optimizer", "own state", "rank 0's state")}}
+
+
+def auto_under_adamw_and_the_ddp_hook(_transport) -> dict:
+    """nanoGPT's AdamW with 'auto' under the DDP hook: at its first step it keeps to the
+    candidates that send every entry, warning nothing."""
+    import warnings
+
+    import torch.distributed as dist
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = spardl_grace.CommHookState(dict(AUTO), ddp)
+    ddp.register_comm_hook(state, spardl_grace.comm_hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(dist.get_rank(), dist.get_world_size(), STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+    auto = state.sync.grace
+    return {"params": flat_params(model), "candidates": auto.candidates,
+            "choice": auto.plan.get("choice"),
+            "warnings": [str(w.message) for w in caught if "spardl_grace" in str(w.message)]}

@@ -276,6 +276,20 @@ class Auto(Synchronizer):
         'predicted_sync_s' and 'sent_bytes' by name, and the step it was made at."""
         return dict(self._plan)
 
+    def keep_to_dense(self) -> bool:
+        """Leave SparDL's densities out of the candidates, keeping those that send every entry
+        (dense, dense16); every rank must call it alike. For an Adam-type optimizer, which
+        trains far behind dense on a selection of the raw gradient (spardl_grace.adam_advice).
+        Only before the first plan, and only when a dense candidate remains; returns whether
+        the candidates changed."""
+        dense = tuple(c for c in self._candidates if c.kind != "spardl")
+        if self._plan or not dense or len(dense) == len(self._candidates):
+            return False
+        self._candidates = dense
+        self._by_name = {c.name: c for c in dense}
+        self.candidates = ",".join(c.name for c in dense)
+        return True
+
     def _family(self, name: str) -> str:
         """'spardl' for SparDL's densities, 'dense' for dense and dense16: what one measured
         correction speaks for."""
