@@ -179,3 +179,22 @@ def test_keep_to_dense_only_before_the_first_plan_and_with_a_dense_candidate():
         return sparse_only.keep_to_dense(), bool(auto.plan), auto.keep_to_dense(), auto.candidates
 
     assert run_local(2, fn) == [(False, True, False, "dense,spardl@0.1")] * 2
+
+
+def test_a_plan_among_the_dense_candidates_resumes_kept_to_them():
+    """The DDP hook's state loads before its first step, where keep_to_dense runs: a plan made
+    among dense and dense16 stands, and the candidates are kept to them again (it said SparDL
+    was a choice, and warned)."""
+    from spardl_grace.communicators.auto import Auto
+    from spardl_grace.memories import ResidualMemory
+
+    def fn(t):
+        first = Auto(ResidualMemory(), t, measure_steps=2)
+        first.keep_to_dense()
+        for _ in range(3):
+            first.synchronize(torch.ones(4), "w")
+        resumed = Auto(ResidualMemory(), t, measure_steps=2)
+        resumed.load_state_dict(first.state_dict())
+        return resumed.keep_to_dense(), resumed.candidates, resumed.plan == first.plan
+
+    assert run_local(2, fn) == [(True, "dense,dense16", True)] * 2

@@ -280,10 +280,14 @@ class Auto(Synchronizer):
         """Leave SparDL's densities out of the candidates, keeping those that send every entry
         (dense, dense16); every rank must call it alike. For an Adam-type optimizer, which
         trains far behind dense on a selection of the raw gradient (spardl_grace.adam_advice).
-        Only before the first plan, and only when a dense candidate remains; returns whether
-        the candidates changed."""
+        Only when a dense candidate remains, and before a plan among SparDL's densities (a
+        plan among the dense ones, resumed from a checkpoint, stands); returns whether the
+        candidates changed."""
         dense = tuple(c for c in self._candidates if c.kind != "spardl")
-        if self._plan or not dense or len(dense) == len(self._candidates):
+        planned = self._plan.get("predicted_step_s", {})
+        if any(self._by_name[n].kind == "spardl" for n in planned):
+            return False
+        if not dense or len(dense) == len(self._candidates):
             return False
         self._candidates = dense
         self._by_name = {c.name: c for c in dense}
