@@ -432,7 +432,11 @@ class GradientSync:
         results = []
         with put_back_unless_kept(self.grace.memory, bucket.names) as outcome:
             for name, part in zip(bucket.names, torch.split(flat, list(bucket.numels))):
-                result = self.grace.step(part.view(self.shapes.get(name, part.shape)), name)
+                # A copy in storage of its own: MKL's kernels differ with the alignment of a
+                # view into the bucket (PowerSGD's products then drift an ulp from GRACE's
+                # loop on p.grad, on AMD CPUs).
+                own = part.view(self.shapes.get(name, part.shape)).clone()
+                result = self.grace.step(own, name)
                 outcome.keep = outcome.keep and self.grace.result_is_finite(result, name)
                 self._add_stats(self.grace.last_stats)
                 results.append(result.reshape(-1))
