@@ -135,6 +135,14 @@ SYNCHRONIZED_TWICE = (
 )
 
 
+STEP_SKIPPING_SYNCHRONIZE = (
+    "optimizer.step() inside optimizer.skip_synchronize() before this step's gradients were "
+    "synchronised: each rank would step on its own gradients and the replicas would drift "
+    "apart. Call optimizer.synchronize() first (then clip or unscale the averaged gradients), "
+    "then step inside skip_synchronize(), as with Horovod."
+)
+
+
 CHANGED_AFTER_SENT = (
     "spardl_grace: the gradients of {names} changed after backward() handed them to the "
     "synchronisation, and step() would overwrite the change with the average of what was "
@@ -334,6 +342,10 @@ class _DistributedOptimizer:
             self._count_gradient(p)
 
     def _count_gradient(self, p: torch.nn.Parameter) -> None:
+        if self._synchronized and not self._in_a_step:
+            # A new backward after synchronize() with no step in between (a step skipped on
+            # purpose): its gradients are this step's, not yet synchronised.
+            self._synchronized = self._gradients_synchronized = False
         self._passes[p] += 1
         if self._passes[p] > self.backward_passes_per_step:
             raise RuntimeError(
@@ -497,6 +509,8 @@ class _DistributedOptimizer:
                 return self._create_state(closure)
             else:
                 self.synchronize()
+        elif not self._synchronized and self._in_a_step:
+            raise RuntimeError(STEP_SKIPPING_SYNCHRONIZE)
         self._synchronized = self._gradients_synchronized = False
         frozen = bool(self._adam_freeze_step) and self._sync.steps > self._adam_freeze_step
         return self._own_step(closure, frozen)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+import warnings
 
 import pytest
 import torch
@@ -193,6 +194,54 @@ def test_synchronize_clip_then_skip_synchronize():
     results = run_local(3, fn)
     assert_identical([r[0] for r in results])
     assert all(r[1] == pytest.approx(0.01, rel=1e-4) and r[2] == 3 for r in results)
+
+
+def test_a_step_skipped_after_synchronize_leaves_the_next_step_synchronised():
+    """A loss-spike guard: synchronize(), look at the averaged norm, skip the update. The next
+    step() warned SYNCHRONIZED_TWICE and stepped on each rank's own gradient (the replicas
+    drifted apart); it synchronises now, and ends where a run that never did that ends."""
+    def fn(t, guard):
+        model = ts.mlp()
+        opt = ts.make_optimizer(model, grace_from_params(ts.params_for("spardl"), transport=t))
+        for i, (x, y) in enumerate(ts.batches(t.rank, t.size, 4)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if i == 1:
+                opt.synchronize()
+                if guard:
+                    continue
+                with opt.skip_synchronize():
+                    opt.step()
+                continue
+            opt.step()
+        return ts.flat_params(model)
+
+    with warnings.catch_warnings(record=True) as caught:  # here: the ranks are threads
+        warnings.simplefilter("always")
+        guarded = run_local(2, lambda t: fn(t, True))
+    assert_identical(guarded)
+    assert [str(w.message) for w in caught if "synchronize" in str(w.message)] == []
+    assert not torch.equal(guarded[0], run_local(2, lambda t: fn(t, False))[0])  # one fewer
+
+
+def test_step_inside_skip_synchronize_before_synchronize_raises():
+    """Each rank stepped on its own clipped gradient, and the next backward failed with
+    'zero_grad() was called after backward()'."""
+    def fn(t):
+        model = ts.mlp()
+        opt = ts.make_optimizer(model, grace_from_params(ts.params_for("spardl"), transport=t))
+        (x, y), = ts.batches(t.rank, t.size, 1)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        before = ts.flat_params(model)
+        with opt.skip_synchronize(), pytest.raises(RuntimeError, match="synchronize\(\) first"):
+            opt.step()
+        assert torch.equal(ts.flat_params(model), before)
+        opt.synchronize()
+        with opt.skip_synchronize():
+            opt.step()
+        return ts.flat_params(model)
+
+    assert_identical(run_local(2, fn))
 
 
 def test_zero_grad_while_gradients_are_in_flight_raises():
