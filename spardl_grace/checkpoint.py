@@ -46,19 +46,47 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+#: what a state that torch.load(weights_only=True) cannot read back should hold instead
+UNLOADABLE_HINT = (
+    "keep tensors, numbers, strings, lists and dicts in it (vars() of an argparse.Namespace, "
+    ".item() of a numpy number), or register the type with "
+    "torch.serialization.add_safe_globals"
+)
+
+
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
     """Write `state` (torch.save) to `path` so that a crash never leaves no loadable checkpoint:
-    temporary file, fsync, the current checkpoint kept as `<path>.prev`, rename."""
+    temporary file, fsync, the current checkpoint kept as `<path>.prev`, rename. ValueError,
+    with the files left as they were, when the state does not load back with
+    torch.load(weights_only=True), as every load here reads it (checked with the storages
+    mapped, not read)."""
     path = Path(path)
     temporary = path.with_name(path.name + TEMPORARY_SUFFIX)
     with open(temporary, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    try:
+        torch.load(temporary, weights_only=True, mmap=True)
+    except Exception as exc:
+        temporary.unlink()
+        raise ValueError(
+            f"this checkpoint state would not load back (torch.load(weights_only=True), which "
+            f"resuming uses): {_reason(exc)}. Nothing was written: {UNLOADABLE_HINT}"
+        ) from None
     if path.exists():
         os.replace(path, previous_path(path))
     os.replace(temporary, path)
     _fsync_directory(path.parent)
+
+
+def _reason(exc: Exception) -> str:
+    """The line of torch.load's error that names what it could not load (its weights-only
+    unpickler's, after paragraphs of advice), else its first line."""
+    lines = str(exc).splitlines() or [""]
+    named = [line for line in lines if "WeightsUnpickler error:" in line]
+    line = named[0].split("WeightsUnpickler error:", 1)[1] if named else lines[0]
+    return f"{type(exc).__name__}: {line.strip().rstrip('.')}"
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], Path]:
@@ -107,16 +135,17 @@ def check_same_step(
         )
 
 
-def _readable(path: Path) -> list[tuple[dict[str, Any], Path]]:
-    """The checkpoints at `path` and `<path>.prev` that load, newest file first."""
-    held = []
+def _readable(path: Path) -> tuple[list[tuple[dict[str, Any], Path]], list[str]]:
+    """The checkpoints at `path` and `<path>.prev` that load, newest file first, and why each
+    file there that does not load failed."""
+    held, failed = [], []
     for candidate in (path, previous_path(path)):
         if candidate.exists():
             try:
                 held.append((torch.load(candidate, weights_only=True), candidate))
-            except Exception:  # a torn or corrupted file: the other one may do
-                continue
-    return held
+            except Exception as exc:  # a corrupted file: the other one may do
+                failed.append(f"{candidate}: {_reason(exc)}")
+    return held, failed
 
 
 def load_agreed_checkpoint(
@@ -128,17 +157,36 @@ def load_agreed_checkpoint(
 
     A crash during a save can leave a rank's newest checkpoint one step behind the others';
     the ranks then all take the step they share. ValueError on every rank, naming each rank's
-    steps, when some ranks hold checkpoints and others none, or when they share no step."""
-    held = _readable(Path(path))
-    mine = torch.full((4,), -1, dtype=torch.int64)
+    steps, when some ranks hold checkpoints and others none, or when they share no step; and
+    when a rank holds checkpoint files none of which loads (the ranks holding them say why),
+    rather than starting afresh over them. A file that does not load beside one that does
+    warns on its rank."""
+    held, failed = _readable(Path(path))
+    mine = torch.full((5,), -1, dtype=torch.int64)
     for slot, (state, _) in enumerate(held):
         mine[2 * slot] = int(state["step"])
         mine[2 * slot + 1] = _run_digest(state["run_id"])
+    mine[4] = len(failed)
     everyone = [
         p.view(torch.int64).tolist() for p in transport.allgather(mine.view(torch.uint8), name)
     ]
     sets = [{(v[i], v[i + 1]) for i in (0, 2) if v[i] >= 0} for v in everyone]
     steps = [sorted(step for step, _ in s) for s in sets]
+    unreadable = [r for r, (v, s) in enumerate(zip(everyone, sets)) if v[4] > 0 and not s]
+    if unreadable:
+        why = f": {'; '.join(failed)}" if failed and not held else " (those ranks say why)"
+        raise ValueError(
+            f"ranks {unreadable} hold checkpoint files at {path} that do not load{why}; "
+            "resuming would start afresh over them. Move them aside to start afresh, or make "
+            f"them loadable: {UNLOADABLE_HINT}"
+        )
+    if failed:
+        warnings.warn(
+            f"spardl_grace: a checkpoint file does not load, resuming from the other: "
+            f"{'; '.join(failed)}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if not any(sets):
         return None
     if not all(sets):

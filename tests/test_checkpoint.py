@@ -65,6 +65,22 @@ def test_a_failed_save_leaves_the_last_checkpoint_intact(tmp_path, monkeypatch):
     assert load_checkpoint(path) == ({"step": 1}, path)
 
 
+def test_a_state_that_would_not_load_back_is_refused_and_nothing_is_written(tmp_path):
+    """An argparse.Namespace or a numpy number in the state was saved, and every resume then
+    read no checkpoint and started afresh, over it (the next saves pushed it out)."""
+    import argparse
+
+    import numpy as np
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"step": 1}, path)
+    for bad in (argparse.Namespace(lr=0.1), np.float64(0.91)):
+        with pytest.raises(ValueError, match="would not load back .* Nothing was written: keep "
+                                             "tensors, numbers"):
+            save_checkpoint({"step": 2, "extra": bad}, path)
+        assert load_checkpoint(path) == ({"step": 1}, path) and not previous_path(path).exists()
+        assert not list(tmp_path.glob("*.tmp"))
+
+
 WRITER = textwrap.dedent("""
     import sys, torch
     from spardl_grace.checkpoint import save_checkpoint
@@ -152,6 +168,37 @@ def test_resume_takes_the_newest_step_every_rank_holds(tmp_path):
 def test_ranks_without_a_shared_checkpoint_all_refuse_to_resume(tmp_path, saves, message):
     got = run_local(3, _resume, tmp_path, saves)
     assert len(set(got)) == 1 and message in got[0], got
+
+
+def _resume_over_files(transport, directory, newest: bytes | None, previous: bytes | None):
+    """_resume's ask, with rank 1's files replaced by `newest` and `previous` (bytes; None:
+    the saved one stays)."""
+    Path(directory).mkdir(exist_ok=True)
+    path = Path(directory) / f"ckpt-rank{transport.rank}.pt"
+    for step in (10, 20):
+        save_checkpoint({"step": step, "run_id": "a", "w": torch.full((3,), float(step))}, path)
+    if transport.rank == 1:
+        for file, content in ((path, newest), (previous_path(path), previous)):
+            if content is not None:
+                file.write_bytes(content)
+    transport.barrier("files.written")
+    try:
+        found = load_agreed_checkpoint(transport, path)
+    except ValueError as exc:
+        return str(exc)
+    return None if found is None else (found[0]["step"], found[1].name)
+
+
+def test_checkpoint_files_that_do_not_load_are_refused_on_every_rank_not_started_over(tmp_path):
+    """Files that do not load counted as none: ranks without another started afresh (or,
+    when only some did, every rank said they 'hold no checkpoint', hiding why)."""
+    got = run_local(3, _resume_over_files, tmp_path, b"not a checkpoint", b"nor this")
+    assert all("ranks [1] hold checkpoint files" in g and "do not load" in g for g in got), got
+    assert "UnpicklingError" in got[1] or "RuntimeError" in got[1]  # rank 1 says why
+    with pytest.warns(RuntimeWarning, match="does not load, resuming from the other"):
+        # the newest unreadable beside a readable previous: every rank takes the shared step
+        assert run_local(3, _resume_over_files, tmp_path / "one", b"torn", None) == [
+            (10, "ckpt-rank0.pt.prev"), (10, "ckpt-rank1.pt.prev"), (10, "ckpt-rank2.pt.prev")]
 
 
 # The sparse all-reduces' state dicts held a 'compressor' entry (an unused top-k compressor's
