@@ -69,3 +69,37 @@ def test_a_rank_frozen_before_mpi_starts_ends_the_job_within_the_timeout(tmp_pat
     assert done.returncode != 0
     assert "start_mpi_or_exit_after" in done.stdout + done.stderr
     assert time.monotonic() - started < 3.0 + LOAD_ALLOWANCE_S
+
+
+def test_an_uncaught_exception_on_one_rank_ends_the_mpirun_job_at_once(tmp_path):
+    """Rank 1's KeyError mid-training: it waited in MPI_Finalize at exit for its peers, which
+    waited for it in the next collective until the transport's timeout (300 s here). Now its
+    traceback is printed and MPI_Abort ends the job (as `python -m mpi4py` does)."""
+    import subprocess
+
+    from conftest import ROOT, launch_env, launcher_command
+    require("mpi")
+    script = tmp_path / "raises.py"
+    script.write_text(
+        "import sys, torch\n"
+        "sys.path.insert(0, 'examples')\n"
+        "import spardl_grace\n"
+        "from toy_task import batch, make_model\n"
+        "grc = spardl_grace.grace_from_params({'compressor': 'topk', 'memory': "
+        "'global_residual', 'communicator': 'spardl', 'compress_ratio': 0.05})\n"
+        "rank, model = grc.transport.rank, make_model()\n"
+        "opt = spardl_grace.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "
+        "grc, named_parameters=model.named_parameters())\n"
+        "for step in range(20):\n"
+        "    opt.zero_grad()\n"
+        "    x, y = batch(rank, step)\n"
+        "    if rank == 1 and step == 3:\n"
+        "        raise KeyError('a bug on rank 1')\n"
+        "    torch.nn.functional.cross_entropy(model(x), y).backward()\n"
+        "    opt.step()\n")
+    done = subprocess.run(launcher_command("mpi", 3, [str(script)]), cwd=ROOT, env=launch_env(),
+                          capture_output=True, text=True, timeout=280)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "KeyError: 'a bug on rank 1'" in out and "MPI_ABORT was invoked on rank 1" in out
+    assert "TransportTimeout" not in out

@@ -57,12 +57,38 @@ def start_mpi_or_exit_after(timeout: float) -> Any:
     return MPI
 
 
+_ABORTS_ON_UNCAUGHT: list[Any] = []  # the excepthook installed, once per process
+
+
+def abort_job_on_uncaught_exception(MPI: Any) -> None:
+    """Once per process: an exception nothing catches ends the whole job (MPI_Abort, after
+    the traceback is printed and output flushed), as `python -m mpi4py` does. Without it the
+    failing rank waits in MPI_Finalize at exit for peers that wait in the library's next
+    collective for it, and the job ended only after the transport's timeout (300 s)."""
+    if _ABORTS_ON_UNCAUGHT:
+        return
+    previous = sys.excepthook
+
+    def print_then_abort(kind, value, traceback) -> None:
+        try:
+            previous(kind, value, traceback)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    _ABORTS_ON_UNCAUGHT.append(print_then_abort)
+    sys.excepthook = print_then_abort
+
+
 class MPITransport(Transport):
     """Transport over an mpi4py communicator (COMM_WORLD by default).
 
     The library's messages travel on a duplicate of it (`comm.Idup()`, made at construction:
     collective over `comm`, within the timeout), a communication context of their own, so that
-    no message, collective or barrier of the user's on `comm` can match one of the library's."""
+    no message, collective or barrier of the user's on `comm` can match one of the library's.
+    With more than one rank in the job, an exception nothing catches then ends the job at once
+    (abort_job_on_uncaught_exception)."""
 
     def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT_S):
         MPI = start_mpi_or_exit_after(timeout)
@@ -77,6 +103,8 @@ class MPITransport(Transport):
         self._wait([request], "duplicate the communicator")
         self.comm = private
         self.thread_safe = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        if MPI.COMM_WORLD.Get_size() > 1:
+            abort_job_on_uncaught_exception(MPI)
 
     def _wait(self, requests, name: str, statuses: list | None = None) -> None:
         deadline = time.monotonic() + self.timeout
