@@ -276,6 +276,21 @@ def test_the_exit_handler_releases_the_group_when_a_script_ends_normally(tmp_pat
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["True", "True"]
 
 
+def test_destroy_and_exit_under_mpirun_ends_the_job_with_success(tmp_path):
+    """The examples' last line: under mpirun it skipped MPI_Finalize, and mpirun reported the
+    job a failure ('exiting improperly', status 1), so a retry loop ran a finished job again."""
+    from benchmarks.launch import launcher_command
+    require("mpi")
+    script = tmp_path / "ends.py"
+    script.write_text("from spardl_grace.launch import join\n"
+                      "from spardl_grace.transport.torch_dist import destroy_and_exit\n"
+                      "join().barrier()\n"
+                      "destroy_and_exit()\n")
+    proc = subprocess.run(launcher_command("mpi", 2, [str(script)]), cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
 def launch_two_ranks(backend: str, scenario: str, tmp_path) -> int:
     """Run tests/scenarios.SCENARIO on 2 ranks under the real launcher with a 5 s transport
     timeout; the launcher's exit code (killed with its whole session after 120 s)."""

@@ -276,9 +276,13 @@ def destroy_and_exit(code: int = 0) -> None:
     PR 179291). The library's own torch.distributed groups are released before finalisation
     (_release_groups); a group of the user's kept alive past it, and the gloo channel of the
     Horovod transport, are not, and ending the process without finalisation avoids the race
-    for those too; call this last, after results are written."""
+    for those too; call this last, after results are written. Under mpirun MPI is finalised
+    first when `code` is 0 (mpirun reports a rank that exits without it as a failure)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    MPI = sys.modules.get("mpi4py.MPI")
+    if code == 0 and MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
