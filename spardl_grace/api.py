@@ -424,7 +424,12 @@ class Synchronizer(ABC):
             "communicator": self._own_state(),
             "world_size": self.world_size,
             "rank": self.transport.rank,
+            "classes": self._classes(),
         }
+
+    def _classes(self) -> dict[str, str]:
+        """The class names of this communicator and its memory, which a state is read by."""
+        return {"communicator": type(self).__name__, "memory": type(self.memory).__name__}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned. Raises ValueError when it was written by another
@@ -435,6 +440,17 @@ class Synchronizer(ABC):
             raise ValueError(
                 f"checkpoint was written by {state['world_size']} workers, this run "
                 f"has {self.world_size}: residuals and schedules do not carry over"
+            )
+        saved = state.get("classes", {})  # absent from checkpoints written before it
+        if saved.get("memory", type(self.memory).__name__) != type(
+            self.memory
+        ).__name__ and _holds_tensors(state.get("memory", {})):
+            raise ValueError(
+                f"this compression state was saved by {saved['communicator']} with "
+                f"{saved['memory']}; this run's {type(self).__name__} with "
+                f"{type(self.memory).__name__} cannot take its residuals (they would be lost "
+                "or misread): resume with the settings it was saved with, or leave it unloaded "
+                "to start the compression afresh"
             )
         parts = {**self._parts(), "memory": self.memory}
         for key, part in parts.items():
@@ -553,6 +569,17 @@ class Communicator(Synchronizer):
                 "DGC compressor"
             )
         self.compressor.compress_ratio = density
+
+
+def _holds_tensors(state: Any) -> bool:
+    """Whether a state (nested dicts, lists and tuples) holds a tensor with entries."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() > 0
+    if isinstance(state, dict):
+        return any(_holds_tensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(_holds_tensors(v) for v in state)
+    return False
 
 
 def _state_of(part: Any) -> dict[str, Any]:

@@ -165,6 +165,37 @@ def test_loading_state_from_another_world_size_fails_loudly():
     assert run_local(3, fn) == [True] * 3
 
 
+def test_residuals_another_memory_cannot_take_are_refused_not_dropped():
+    """A SparDL state with residuals loaded into QSGD over allgather (memory none) or dense
+    dropped them in silence; into GRACE's residual memory the first step raised about a
+    shape. Another density, teams or sparse all-reduce on the same memory loads as before."""
+    spardl = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
+              "compress_ratio": 0.1, "min_entries": 0}
+
+    def fn(t):
+        grc = grace_from_params(spardl, transport=t)
+        grc.step(torch.randn(64, generator=torch.Generator().manual_seed(t.rank)), "w")
+        state, said = grc.state_dict(), []
+        for other in ({"compressor": "qsgd", "memory": "none", "communicator": "allgather"},
+                      {"communicator": "dense"},
+                      {"compressor": "topk", "memory": "residual", "communicator": "allgather"}):
+            with pytest.raises(ValueError) as caught:
+                grace_from_params(other, transport=t).load_state_dict(state)
+            said.append(str(caught.value))
+        for same_memory in ({**spardl, "compress_ratio": 0.3}, {**spardl, "communicator": "topka"},
+                            {"compressor": "none", "memory": "global_residual",
+                             "communicator": "dense"}):
+            grace_from_params(same_memory, transport=t).load_state_dict(state)
+        fresh = grace_from_params(spardl, transport=t).state_dict()  # no residual: nothing lost
+        grace_from_params({"communicator": "dense"}, transport=t).load_state_dict(fresh)
+        return said
+
+    for said in run_local(2, fn):
+        assert all("saved by SparDL with GlobalResidualMemory" in s for s in said)
+        assert "this run's Allgather with NoneMemory cannot take its residuals" in said[0]
+        assert "Dense with NoneMemory" in said[1] and "Allgather with ResidualMemory" in said[2]
+
+
 @pytest.mark.parametrize("params", [
     {"compressor": "topk", "memory": "global_residual", "communicator": "spardl", "min_entries": 0},
     {"compressor": "topk", "memory": "residual", "communicator": "allgather"},
