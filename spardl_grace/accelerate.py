@@ -49,8 +49,9 @@ def register_comm_hook(
     grace: GRACE's parameters (a dict), a communicator from grace_from_params, or a
     CommHookState built for this model. state_options: CommHookState's keywords
     (dense_warmup_steps, min_numel, overlap, first_step_timeout), with a dict or communicator.
-    ValueError when prepare did not build DDP (one process, FSDP, DeepSpeed, ...) or the model
-    already has a communication hook (DDP takes one)."""
+    ValueError when prepare did not build DDP (one process, FSDP, DeepSpeed, ...), the model
+    already has a communication hook (DDP takes one), or the Accelerator accumulates with
+    GradientAccumulationPlugin(sync_each_batch=True)."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         kind = getattr(accelerator, "distributed_type", "unknown")
         raise ValueError(
@@ -61,6 +62,14 @@ def register_comm_hook(
             "(on a machine without GPUs under torchrun, build Accelerator(cpu=True), or each "
             "worker trains alone; or launch with accelerate launch --multi_gpu or "
             "--mpirun_hostfile); for FSDP see spardl_grace.fsdp"
+        )
+    plugin = getattr(getattr(accelerator, "gradient_state", None), "plugin_kwargs", {}) or {}
+    if plugin.get("sync_each_batch") and plugin.get("num_steps", 1) > 1:
+        raise ValueError(
+            "GradientAccumulationPlugin(sync_each_batch=True) synchronises every micro-batch's "
+            "accumulated gradient, and a compressed synchronisation would send what an earlier "
+            "micro-batch already sent again: leave sync_each_batch at False (accumulate() then "
+            "synchronises once per step)"
         )
     hooks = getattr(model, "_comm_hooks", [])
     if hooks:
@@ -107,8 +116,9 @@ def _warn_if_loaded_before(accelerator: Any, state: CommHookState) -> None:
 
 
 def log_stats(accelerator: Any, state: CommHookState, step: int | None = None) -> None:
-    """Log `state`'s last synchronised step's statistics (bytes sent, entries, density,
-    seconds selecting, coding and communicating) as `compression/NAME` through
+    """Log `state`'s last synchronised step's statistics (bytes sent and seconds coding and
+    communicating; the sparse all-reduces add each phase's bytes and entries and seconds
+    selecting, 'auto' its decision) as `compression/NAME` through
     accelerator.log, to whatever trackers the Accelerator was given (W&B, TensorBoard, ...);
     nothing before the first synchronised step. Call it after optimizer.step(), e.g. beside
     your own accelerator.log."""

@@ -60,10 +60,15 @@ class GradientCompression(pl.Callback):
     to DDPStrategy(ddp_comm_state=...). A strategy other than DDPStrategy (FSDP, DeepSpeed,
     one device) raises ValueError, as does a DDPStrategy given another hook or state.
 
-    log_stats: after each training batch, log the last synchronised step's statistics (bytes
-    sent, entries, density, seconds selecting, coding and communicating: CommHookState's
-    last_stats) as `compression/NAME` through the LightningModule's log_dict, so they reach
-    whatever loggers the trainer has (W&B, TensorBoard, CSV); False logs nothing."""
+    One callback given a dict may serve fits of several LightningModules (a hyper-parameter
+    loop): each new module gets a state of its own, starting afresh.
+
+    log_stats: after each training batch, log the last synchronised step's statistics
+    (CommHookState's last_stats: bytes sent and seconds coding and communicating; the sparse
+    all-reduces add each phase's bytes and entries and seconds selecting, 'auto' its
+    decision) as
+    `compression/NAME` through the LightningModule's log_dict, so they reach whatever loggers
+    the trainer has (W&B, TensorBoard, CSV); False logs nothing."""
 
     def __init__(self, grace: Mapping[str, Any] | CommHookState, log_stats: bool = True):
         if not isinstance(grace, (Mapping, CommHookState)):
@@ -103,6 +108,18 @@ class GradientCompression(pl.Callback):
                 "CommHookState to DDPStrategy(ddp_comm_state=state, "
                 "ddp_comm_hook=spardl_grace.comm_hook) and to GradientCompression(state), or leave "
                 "the strategy's hook unset and give SparseAllreduce the parameters"
+            )
+        if self.state is not None and not any(
+            p in self.state.names for p in pl_module.parameters()
+        ):
+            if not isinstance(self._grace, Mapping):
+                raise ValueError(
+                    "the CommHookState given to GradientCompression was built for another "
+                    "LightningModule: build one per module, or give GradientCompression GRACE's "
+                    "parameters (a dict), which builds a state for each fit's module"
+                )
+            self.state = (
+                None  # a new module (a hyper-parameter loop): its compression starts afresh
             )
         if self.state is None:
             assert isinstance(self._grace, Mapping)

@@ -77,7 +77,8 @@ def test_gradient_accumulation_needs_no_sync(launch):
     """With no_sync (by hand, Accelerate's accumulate(), Lightning's accumulate_grad_batches)
     two backward passes synchronise once; a step skipped for a non-finite result (as a
     GradScaler skips it) is no accumulation; without no_sync every rank raises, naming the
-    fix; a DDPStrategy with another hook is refused by the callback."""
+    fix; a DDPStrategy with another hook is refused by the callback; one callback serves two
+    modules' fits; Accelerate's sync_each_batch is refused, naming it."""
     results = launch("gloo", 2, "trainer_scenarios.accumulation", timeout=300)
     _same_on_every_rank(results, ["accelerate_model"])
     for r in results:
@@ -87,6 +88,8 @@ def test_gradient_accumulation_needs_no_sync(launch):
         assert r["accelerate_steps"] == 3
         assert r["lightning_accumulated_steps"] == 8
         assert "already has a communication hook (allreduce_hook)" in r["other_hook"]
+        assert r["reused_callback_new_state"] and r["reused_callback_steps"][1] > 0
+        assert "sync_each_batch=True" in r["sync_each_batch"]
 
 
 def test_lightning_refuses_a_strategy_that_is_not_ddp(tmp_path):

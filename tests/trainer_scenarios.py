@@ -307,8 +307,32 @@ def accumulation(transport) -> dict:
         other_hook = ""
     except ValueError as exc:
         other_hook = str(exc)
+
+    # One callback over the fits of two new modules (a hyper-parameter loop): the second fit
+    # raised that DDP's bucket held parameters the state did not know.
+    reused, states = spardl_grace.lightning.GradientCompression(PARAMS), []
+    for _ in range(2):
+        pl.Trainer(accelerator="cpu", devices=transport.size, logger=False, max_epochs=1,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   default_root_dir=outdir(), strategy="ddp", callbacks=[reused]).fit(
+            _lightning_module(), torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(*regression_data()), batch_size=BATCH))
+        states.append(reused.state)
+
+    from accelerate.utils import GradientAccumulationPlugin
+    each_batch = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=2, sync_each_batch=True))
+    try:
+        spardl_grace.accelerate.register_comm_hook(
+            each_batch, each_batch.prepare(network()), PARAMS)
+        sync_each_batch = ""
+    except ValueError as exc:
+        sync_each_batch = str(exc)
     return {"with_no_sync_steps": with_no_sync, "without_no_sync": without,
             "skipped_step_finite": skipped_finite,
             "accelerate_steps": acc_state.sync.steps, "accelerate_model": flat(prepared),
             "lightning_accumulated_steps": accumulating.state.sync.steps,
-            "other_hook": other_hook}
+            "other_hook": other_hook,
+            "reused_callback_steps": [s.sync.steps for s in states],
+            "reused_callback_new_state": states[0] is not states[1],
+            "sync_each_batch": sync_each_batch}
