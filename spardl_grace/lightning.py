@@ -66,9 +66,8 @@ class GradientCompression(pl.Callback):
     log_stats: after each training batch, log the last synchronised step's statistics
     (CommHookState's last_stats: bytes sent and seconds coding and communicating; the sparse
     all-reduces add each phase's bytes and entries and seconds selecting, 'auto' its
-    decision) as
-    `compression/NAME` through the LightningModule's log_dict, so they reach whatever loggers
-    the trainer has (W&B, TensorBoard, CSV); False logs nothing."""
+    decision) as `compression/NAME` through the LightningModule's log_dict, so they reach
+    whatever loggers the trainer has (W&B, TensorBoard, CSV); False logs nothing."""
 
     def __init__(self, grace: Mapping[str, Any] | CommHookState, log_stats: bool = True):
         if not isinstance(grace, (Mapping, CommHookState)):
@@ -118,9 +117,8 @@ class GradientCompression(pl.Callback):
                     "LightningModule: build one per module, or give GradientCompression GRACE's "
                     "parameters (a dict), which builds a state for each fit's module"
                 )
-            self.state = (
-                None  # a new module (a hyper-parameter loop): its compression starts afresh
-            )
+            # a new module (a hyper-parameter loop): its compression starts afresh
+            self.state = None
         if self.state is None:
             assert isinstance(self._grace, Mapping)
             self.state = CommHookState(self._grace, pl_module)
