@@ -139,6 +139,8 @@ class CommHookState:
         #: backward's autograd graph task
         self._began_without_gradients: bool | None = None
         self._first_backward: int | None = None
+        #: the parameters whose gradient this rank computed since the last synchronisation
+        self.arrived: set[torch.Tensor] = set()
         _watch_gradients(self, [p for p in self.names if p.requires_grad])
         #: whether a resume without this state was checked for (at the first optimizer step
         #: after a synchronisation) or already reported (by the trainers' checkpoint load)
@@ -194,7 +196,9 @@ class CommHookState:
         """Before `param`'s gradient accumulates (a tensor hook, _watch_gradients): note, for
         the first backward since the last synchronisation, whether every gradient found its
         parameter's None, so that a step skipped on purpose (the gradients set to None after
-        the synchronisation) is not taken for accumulation without no_sync()."""
+        the synchronisation) is not taken for accumulation without no_sync(); and that
+        `param` has a gradient to send (the others are idle: see comm_hook)."""
+        self.arrived.add(param)
         if self._began_without_gradients is False:  # decided until the next synchronisation
             return
         task = torch._C._current_graph_task_id()
@@ -294,10 +298,14 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     ddp_parts = torch.split(buffer, [p.numel() for p in params])
     reordered = order != sorted(order)
     flat = torch.cat([ddp_parts[j] for j in order]) if reordered else buffer
-    future = state.sync.submit(flat, canonical).then(
+    # With find_unused_parameters, a parameter this rank did not use sends nothing and keeps
+    # its residual: DDP leaves one that no rank used untouched, dropping what it would send.
+    idle = tuple(state.names[p] for p in params if p not in state.arrived)
+    future = state.sync.submit(flat, canonical, idle).then(
         functools.partial(_in_ddp_layout, buffer, ddp_parts, order, canonical, reordered)
     )
     if bucket.is_last():
+        state.arrived = set()
         previous_finite = state.sync.last_step_finite
         state.sync.end_step()
         settle(future)  # its copy back into DDP's layout too, before DDP's own collectives

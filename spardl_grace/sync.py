@@ -159,6 +159,24 @@ def per_parameter_stores(memory: Memory, bucket: Bucket) -> Iterator[_Outcome]:
 
 
 @contextmanager
+def set_aside(memory: Memory, names: Collection[str]) -> Iterator[None]:
+    """Within the block the memory's stores hold nothing under `names` (their residuals and
+    velocities set aside, so this rank sends none of them); afterwards the set-aside entries
+    are back, and whatever the block left under those names is dropped."""
+    if not names:
+        yield
+        return
+    saved = [(store, {n: store.pop(n) for n in names if n in store}) for store in stores_of(memory)]
+    try:
+        yield
+    finally:
+        for store, parts in saved:
+            for name in names:
+                store.pop(name, None)
+            store.update(parts)
+
+
+@contextmanager
 def put_back_unless_kept(memory: Memory, names: tuple[str, ...]) -> Iterator[_Outcome]:
     """Within the block the memory works on each of `names` under its own name; when the block
     sets `keep = False` on what it is given (or raises), every one of their entries from
@@ -306,7 +324,9 @@ class GradientSync:
         """Whether submit() returns before the bucket is synchronised (a communication thread)."""
         return self._executor is not None
 
-    def submit(self, flat: torch.Tensor, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
+    def submit(
+        self, flat: torch.Tensor, bucket: Bucket, idle: tuple[str, ...] = ()
+    ) -> torch.futures.Future[torch.Tensor]:
         """Synchronise `flat` (the bucket's gradients) as synchronize() does, on the
         communication thread, or with its all-reduce queued in the backend in a step of plain
         dense averages (see the class docstring): the future is pending until the result is
@@ -321,9 +341,9 @@ class GradientSync:
         if queueing is not None:
             self._queue(queueing, flat, bucket, future)
         elif self._executor is None:
-            fulfil(future, self._in_step, self.synchronize, flat, bucket)
+            fulfil(future, self._in_step, self.synchronize, flat, bucket, idle)
         else:
-            self._executor.submit(future, flat, self._in_step, self.synchronize, flat, bucket)
+            self._executor.submit(future, flat, self._in_step, self.synchronize, flat, bucket, idle)
         return future
 
     def _queueing(self) -> Dense | None:
@@ -402,14 +422,22 @@ class GradientSync:
         holds fewer than min_numel entries."""
         return self.steps < self.dense_warmup_steps or bucket.numel < self.min_numel
 
-    def synchronize(self, flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    def synchronize(
+        self, flat: torch.Tensor, bucket: Bucket, idle: tuple[str, ...] = ()
+    ) -> torch.Tensor:
         """The average over ranks of `flat` (the bucket's gradients), identical on every rank,
         in communication_dtype(flat.dtype). Every rank must call it for the same buckets in
-        the same order."""
+        the same order. `idle`: the bucket's parameters this rank computed no gradient for
+        (their entries in `flat` are zeros): this rank sends nothing of theirs and keeps their
+        memory as it was, so what their residual would have sent is not lost where nothing
+        applies the result (DDP leaves a parameter no rank used untouched)."""
         self._check_bucket(flat, bucket)
         flat = flat.to(communication_dtype(flat.dtype))
         # A communication thread starts on CUDA device 0, not on the device the rank chose.
-        with torch.cuda.device(flat.device) if flat.is_cuda else nullcontext():
+        with (
+            torch.cuda.device(flat.device) if flat.is_cuda else nullcontext(),
+            set_aside(self.grace.memory, idle),
+        ):
             if self.is_dense(bucket):
                 result = self.dense.step(flat, bucket.key)
                 self._add_stats(self.dense.last_stats)

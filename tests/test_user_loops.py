@@ -284,6 +284,18 @@ def test_auto_keeps_to_dense_under_adamw_and_the_ddp_hook(tmp_path):
         assert torch.equal(r["params"], ranks[0]["params"])
 
 
+def test_a_layer_no_rank_uses_keeps_its_residual_under_find_unused_parameters(tmp_path):
+    """DDP leaves a parameter no rank used untouched, dropping the hook's result for it: what
+    its residual sent each such step was lost (0.2 of a layer used 4 of 12 steps). A rank
+    that computed no gradient for a parameter now sends nothing of it and keeps its memory."""
+    ranks = run_ranks("gloo", 2, "user_loops.unused_later_under_find_unused_parameters",
+                      tmp_path, timeout=240)
+    for r in ranks:
+        for comm, got in r.items():
+            assert got["lost"] < 1e-6 and got["kept"] > 1.0, (comm, got)
+            assert torch.equal(got["params"], ranks[0][comm]["params"]), comm
+
+
 SPARDL_03 = {"compressor": "topk", "memory": "global_residual", "communicator": "spardl",
              "compress_ratio": 0.3}
 

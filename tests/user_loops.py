@@ -564,3 +564,55 @@ def auto_under_adamw_and_the_ddp_hook(_transport) -> dict:
     return {"params": flat_params(model), "candidates": auto.candidates,
             "choice": auto.plan.get("choice"),
             "warnings": [str(w.message) for w in caught if "spardl_grace" in str(w.message)]}
+
+
+def _unused_later_mass(params: dict) -> dict:
+    """DDP with find_unused_parameters=True over a layer every rank uses for 4 of 12 SGD
+    steps, then none: what the steps applied to it plus the ranks' mean residual, against the
+    sum of its averaged gradients (the same when no mass is lost), and the parameters."""
+    import torch.distributed as dist
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.body, self.extra = torch.nn.Linear(32, 10), torch.nn.Linear(32, 10)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+        def forward(self, x, use_extra):
+            return self.body(x) + (self.extra(x) if use_extra else 0)
+
+    net, lr = Net(), 0.1
+    before, computed = net.extra.weight.detach().clone(), torch.zeros(10, 32)
+
+    def note(grad: torch.Tensor) -> None:  # returns None: the gradient stays as it is
+        computed.add_(grad)
+
+    net.extra.weight.register_hook(note)
+    ddp = torch.nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    state = spardl_grace.CommHookState(dict(params), ddp)
+    ddp.register_comm_hook(state, spardl_grace.comm_hook)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    data = torch.Generator().manual_seed(1 + dist.get_rank())
+    for step in range(12):
+        optimizer.zero_grad()
+        x, y = torch.randn(16, 32, generator=data), torch.randint(0, 10, (16,), generator=data)
+        torch.nn.functional.cross_entropy(ddp(x, step < 4), y).backward()
+        optimizer.step()
+    residual = state.state_dict()["grace"]["memory"]["residuals"]["extra.weight"].view(10, 32)
+    for total in (computed, residual := residual.clone()):
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    applied = (before - net.extra.weight.detach()) / lr
+    return {"lost": float((applied + residual - computed).abs().max()),
+            "kept": float(residual.abs().sum()), "params": flat_params(net)}
+
+
+def unused_later_under_find_unused_parameters(_transport) -> dict:
+    """_unused_later_mass for SparDL on the exact wire and GRACE's top-k over allgather."""
+    return {"spardl": _unused_later_mass({**PARAMS, "wire": "exact"}),
+            "allgather": _unused_later_mass({"compressor": "topk", "memory": "residual",
+                                             "communicator": "allgather",
+                                             "compress_ratio": 0.05})}
