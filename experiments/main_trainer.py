@@ -186,7 +186,6 @@ class Trainer:
         self.load = LoadBurst(*args.load_burst) if args.load_burst and self.rank == 0 else None
         self.clock = Clock()
         self._tally: dict[str, Any] | None = None  # the epoch's so far (checkpointed with it)
-        first_epoch = self.first_step // max(self.steps_per_epoch, 1)
         self.totals = {"time_to_target_s": None, "steps_to_target": None, "steps": 0,
                        "stopped": False, "stopped_by_budget": False, "stopped_at_target": False,
                        "last_eval": None, "bytes_at_start": self.sync.bytes_sent,
