@@ -54,10 +54,12 @@ def check_layout(hook: Any, numel: int) -> None:
         hook.numel = numel
     elif numel != hook.numel:
         raise ValueError(
-            f"unit '{hook.name}' handed a gradient of {numel} entries, {hook.numel} before: FSDP "
-            "leaves parameters without a gradient out of its reduce-scatter unless "
-            "set_reduce_scatter_unused_params(True), which hybrid_shard and flat_shard set on "
-            "every unit: keep it on"
+            f"unit '{hook.name}' handed a gradient of {numel} entries, {hook.numel} before, and "
+            "its residual belongs to one layout: a parameter of it began or stopped training "
+            "(requires_grad changed: shard the model anew, with hybrid_shard or flat_shard, "
+            "when which parameters train changes), or FSDP left parameters without a gradient "
+            "out of its reduce-scatter (set_reduce_scatter_unused_params(True), which "
+            "hybrid_shard and flat_shard set on every unit, was turned off: keep it on)"
         )
 
 
@@ -304,9 +306,21 @@ def _fully_shard_units(
     each with FSDP's reduce_scatter_unused_params on; the FSDP modules by residual key: each unit's
     module path, and '<root>' for the model (its parameters of no unit). ValueError for a unit
     that is not a submodule."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     names = {id(module): name for name, module in model.named_modules()}
+    sharded = [
+        name or "the model" for name, m in model.named_modules() if isinstance(m, FSDPModule)
+    ]
+    if sharded:
+        # fully_shard refuses a module twice only where it is asked to, and a unit the user
+        # sharded over one mesh dimension would be left out of the synchronisation between
+        # replicas, its shards drifting apart from node to node.
+        raise ValueError(
+            f"{caller} shards the model itself, and {', '.join(sharded[:5])} "
+            f"{'is' if len(sharded) == 1 else 'are'} fully_shard'ed already: call {caller} on "
+            "the model as it was built, naming those modules in units"
+        )
     if units is None:
         chosen = _default_units(model)
     else:
@@ -320,6 +334,9 @@ def _fully_shard_units(
             )
         if id(unit) not in names or unit is model:
             raise ValueError(f"{caller}'s units must be submodules of the model")
+    _check_no_parameter_shared(chosen, names, caller)
+    # A unit inside another is sharded first, as FSDP2 needs (it refused the overlapping mesh).
+    chosen.sort(key=lambda unit: -names[id(unit)].count("."))
     for unit in chosen:
         fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
@@ -333,17 +350,41 @@ def _fully_shard_units(
     return modules
 
 
+def _check_no_parameter_shared(
+    chosen: list[torch.nn.Module], names: dict[int, str], caller: str
+) -> None:
+    """ValueError naming two units that share a parameter (tied weights: an embedding and the
+    output layer), which fully_shard cannot split between units."""
+    within = {id(unit): {id(m) for m in unit.modules()} for unit in chosen}
+    owner: dict[int, torch.nn.Module] = {}
+    for unit in chosen:
+        for p in unit.parameters():
+            other = owner.setdefault(id(p), unit)
+            nested = id(other) in within[id(unit)] or id(unit) in within[id(other)]
+            if other is not unit and not nested:
+                raise ValueError(
+                    f"{caller}'s units '{names[id(other)]}' and '{names[id(unit)]}' share a "
+                    "parameter (tied weights), which one FSDP unit must hold: leave both out "
+                    "of units, so it stays with the model's root (units=the blocks)"
+                )
+
+
 def _default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Each direct child of `model` that has parameters, a container's (ModuleList,
     ModuleDict: they have no forward of their own, so fully_shard refuses them) replaced by its
-    children, as torchtitan and Hugging Face models keep their blocks in one."""
+    children, as torchtitan and Hugging Face models keep their blocks in one; children that
+    share a parameter with another child (tied weights) stay with the root."""
     units = []
     for child in model.children():
         if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             units += _default_units(child)
         elif any(True for _ in child.parameters()):
             units.append(child)
-    return units
+    seen: dict[int, int] = {}
+    for unit in units:
+        for p in unit.parameters():
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return [u for u in units if all(seen[id(p)] == 1 for p in u.parameters())]
 
 
 def hybrid_shard(

@@ -446,3 +446,53 @@ def user_patterns(transport) -> dict:
     except ValueError as exc:
         out["other layout"] = str(exc)
     return out
+
+
+def setup_patterns(transport) -> dict:
+    """How users hand flat_shard and hybrid_shard their models: tied weights (an embedding
+    and the output layer sharing one) with the default units, and two units that share it;
+    a unit inside another, given outer first; blocks already fully_shard'ed by the user.
+    Each the error it raises, or the units it synchronised and whether a step ran."""
+    from torch.distributed.fsdp import fully_shard
+
+    from spardl_grace.fsdp import flat_shard, hybrid_shard
+    params = {**SPARDL, "compress_ratio": 0.1}
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.body = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(torch.relu(self.body(self.embed(ids))))
+
+    def step(model) -> None:
+        ids = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(transport.rank))
+        model(ids).sum().backward()
+
+    def outcome(build) -> str | list[str]:
+        try:
+            sync = build()
+        except ValueError as exc:
+            return str(exc)
+        return list(sync.hooks)
+
+    tied = Tied()
+    got = {"tied, default units": outcome(lambda: flat_shard(tied, params))}
+    step(tied)
+    other = Tied()
+    got["tied, both in units"] = outcome(lambda: flat_shard(other, params,
+                                                            units=[other.embed, other.head]))
+    nested = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+                                 torch.nn.Linear(8, 4))
+    got["nested, outer first"] = outcome(lambda: hybrid_shard(
+        nested, _mesh(), params, units=[nested[0], nested[0][0]]))
+    nested(torch.randn(4, 8)).sum().backward()
+    mine = _model()
+    for layer in (mine[0], mine[2]):
+        fully_shard(layer, mesh=_mesh()["shard"])
+    got["blocks sharded already"] = outcome(lambda: hybrid_shard(mine, _mesh(), params, units=[]))
+    return got

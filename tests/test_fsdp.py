@@ -180,3 +180,16 @@ def test_momentum_correction_refuses_adams_first_moment():
     adamw = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
     with pytest.raises(ValueError, match="AdamW has momentum 0.9 of its own"):
         taken_over_groups(adamw, 0.9)
+
+
+def test_tied_weights_nested_units_and_blocks_sharded_already(launch):
+    """Tied weights with the default units raised FSDP's 'shared parameter' error at the first
+    forward; units given outer first raised DeviceMesh's 'overlapping meshes'; blocks the user
+    had fully_shard'ed were left out of the synchronisation between replicas in silence (the
+    nodes drifted apart)."""
+    for got in launch("gloo", 4, "fsdp_scenarios.setup_patterns"):
+        assert got["tied, default units"] == ["body", "<root>"]
+        assert "units 'embed' and 'head' share a parameter (tied weights)" in \
+            got["tied, both in units"]
+        assert got["nested, outer first"] == ["0.0", "0", "<root>"]
+        assert "0, 2 are fully_shard'ed already" in got["blocks sharded already"]
