@@ -300,7 +300,10 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     flat = torch.cat([ddp_parts[j] for j in order]) if reordered else buffer
     # With find_unused_parameters, a parameter this rank did not use sends nothing and keeps
     # its residual: DDP leaves one that no rank used untouched, dropping what it would send.
-    idle = tuple(state.names[p] for p in params if p not in state.arrived)
+    # Outside backward (torch's Join shadowing a rank that ran out) every parameter takes part,
+    # as in a step with zero gradients.
+    inside = _inside_backward()
+    idle = tuple(state.names[p] for p in params if p not in state.arrived) if inside else ()
     future = state.sync.submit(flat, canonical, idle).then(
         functools.partial(_in_ddp_layout, buffer, ddp_parts, order, canonical, reordered)
     )
@@ -309,7 +312,7 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         previous_finite = state.sync.last_step_finite
         state.sync.end_step()
         settle(future)  # its copy back into DDP's layout too, before DDP's own collectives
-        if _inside_backward():
+        if inside:
             state.check_optimizer_stepped(previous_finite)
     return future
 
