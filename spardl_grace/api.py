@@ -442,13 +442,12 @@ class Synchronizer(ABC):
                 f"has {self.world_size}: residuals and schedules do not carry over"
             )
         saved = state.get("classes", {})  # absent from checkpoints written before it
-        if saved.get("memory", type(self.memory).__name__) != type(
-            self.memory
-        ).__name__ and _holds_tensors(state.get("memory", {})):
+        memory = type(self.memory).__name__
+        if saved.get("memory", memory) != memory and _holds_tensors(state.get("memory", {})):
             raise ValueError(
                 f"this compression state was saved by {saved['communicator']} with "
                 f"{saved['memory']}; this run's {type(self).__name__} with "
-                f"{type(self.memory).__name__} cannot take its residuals (they would be lost "
+                f"{memory} cannot take its residuals (they would be lost "
                 "or misread): resume with the settings it was saved with, or leave it unloaded "
                 "to start the compression afresh"
             )

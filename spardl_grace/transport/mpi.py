@@ -57,7 +57,7 @@ def start_mpi_or_exit_after(timeout: float) -> Any:
     return MPI
 
 
-_ABORTS_ON_UNCAUGHT: list[Any] = []  # the excepthook installed, once per process
+_aborts_on_uncaught = False  # the excepthook installed (once per process)
 
 
 def abort_job_on_uncaught_exception(MPI: Any) -> None:
@@ -65,8 +65,10 @@ def abort_job_on_uncaught_exception(MPI: Any) -> None:
     the traceback is printed and output flushed), as `python -m mpi4py` does. Without it the
     failing rank waits in MPI_Finalize at exit for peers that wait in the library's next
     collective for it, and the job ended only after the transport's timeout (300 s)."""
-    if _ABORTS_ON_UNCAUGHT:
+    global _aborts_on_uncaught
+    if _aborts_on_uncaught:
         return
+    _aborts_on_uncaught = True
     previous = sys.excepthook
 
     def print_then_abort(kind, value, traceback) -> None:
@@ -77,7 +79,6 @@ def abort_job_on_uncaught_exception(MPI: Any) -> None:
             sys.stderr.flush()
             MPI.COMM_WORLD.Abort(1)
 
-    _ABORTS_ON_UNCAUGHT.append(print_then_abort)
     sys.excepthook = print_then_abort
 
 
