@@ -233,7 +233,7 @@ def test_step_inside_skip_synchronize_before_synchronize_raises():
         (x, y), = ts.batches(t.rank, t.size, 1)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         before = ts.flat_params(model)
-        with opt.skip_synchronize(), pytest.raises(RuntimeError, match="synchronize\(\) first"):
+        with opt.skip_synchronize(), pytest.raises(RuntimeError, match=r"synchronize\(\) first"):
             opt.step()
         assert torch.equal(ts.flat_params(model), before)
         opt.synchronize()
