@@ -78,8 +78,10 @@ def abort_job_on_uncaught_exception(MPI: Any) -> None:
             # Open MPI's own notice of the abort can fail to print (its help files out of
             # resources), so the job's log says in the library's words why it ended.
             rank = MPI.COMM_WORLD.Get_rank()
-            print(f"spardl_grace: an uncaught exception on rank {rank} ends the MPI job "
-                  "(MPI_Abort)", file=sys.stderr)
+            print(
+                f"spardl_grace: an uncaught exception on rank {rank} ends the MPI job (MPI_Abort)",
+                file=sys.stderr,
+            )
             sys.stdout.flush()
             sys.stderr.flush()
             MPI.COMM_WORLD.Abort(1)
