@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import io
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -43,7 +43,7 @@ import torch.distributed
 
 from .checkpoint import warn_if_resumed_afresh
 from .frozen_adam import refuse_without_the_step
-from .step_hooks import watch
+from .step_hooks import mark_replaced, watch
 from .transport.torch_dist import TorchDistTransport
 
 
@@ -424,7 +424,9 @@ def hybrid_shard(
         )
     transport = TorchDistTransport(group=mesh[replicate].get_group())
     grace = grace_from_params(dict(params), transport=transport)
+    before = list(model.parameters())
     modules = _fully_shard_units(model, units, mesh[shard], fully_shard_kwargs, "hybrid_shard")
+    _mark_replaced(model, before, "hybrid_shard")
     hooks = {name: ReplicaHook(grace, name, module) for name, module in modules.items()}
     for name, module in modules.items():
         module.set_all_reduce_hook(hooks[name])
@@ -471,13 +473,23 @@ def flat_shard(
         mesh = init_device_mesh(_device_type(model), (torch.distributed.get_world_size(),))
     transport = TorchDistTransport(group=mesh.get_group())
     grace = cast(SparDL, grace_from_params(dict(params), transport=transport))
+    before = list(model.parameters())
     modules = _fully_shard_units(model, units, mesh, fully_shard_kwargs, "flat_shard")
+    _mark_replaced(model, before, "flat_shard")
     comms = {name: SparseReduceScatter(grace, name) for name in modules}
     for name, module in modules.items():
         # torch exports the ReduceScatter interface only from a private module:
         # SparseReduceScatter implements it (allocate, __call__) without subclassing it.
         module.set_custom_reduce_scatter(comms[name])
     return ShardSync(grace, comms, torch.distributed.get_rank(), model)
+
+
+def _mark_replaced(model: torch.nn.Module, before: Sequence[torch.Tensor], where: str) -> None:
+    """An optimizer built before the sharding holds `before`, the parameters fully_shard
+    replaced: its first step raises (spardl_grace.step_hooks.mark_replaced) rather than train
+    nothing."""
+    now = {id(p) for p in model.parameters()}
+    mark_replaced([p for p in before if id(p) not in now], where)
 
 
 def _device_type(model: torch.nn.Module) -> str:

@@ -19,7 +19,7 @@ process (steps_taken), so a state loaded from a checkpoint can be told from one 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -121,14 +121,55 @@ def watch(model: torch.nn.Module, holder: Any, where: str) -> None:
     """Act in every step of any optimizer that updates `holder`'s parameters, for as long as
     `model` lives (the caller may drop `holder`, which must hold no strong reference to
     `model`). `where` names the integration in errors."""
+    _register()
+    _WATCHED[model] = (holder, where)
+
+
+def _register() -> None:
     if not _HOOKS:
         _HOOKS.append(register_optimizer_step_pre_hook(_before))
         _HOOKS.append(register_optimizer_step_post_hook(_after))
-    _WATCHED[model] = (holder, where)
+
+
+#: id of a parameter a sharding took out of its model -> (a weak reference to it, the
+#: function that did); an entry leaves when its parameter is freed
+_REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+
+
+def mark_replaced(parameters: Iterable[torch.Tensor], where: str) -> None:
+    """`parameters` are no longer their model's (`where`, a sharding, registered new ones in
+    their place): from now on a step of an optimizer that holds any of them raises
+    RuntimeError before it runs, since it could change nothing the model uses."""
+    _register()
+    for p in parameters:
+        _REPLACED[id(p)] = (weakref.ref(p, _forgetting(id(p))), where)
+
+
+def _forgetting(key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
+    def forget(_: weakref.ref[torch.Tensor]) -> None:
+        _REPLACED.pop(key, None)
+
+    return forget
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _REPLACED.get(id(p))
+            if entry is not None and entry[0]() is p:
+                where = entry[1]
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} holds the parameters the model had "
+                    f"before {where}, which fully_shard replaced with sharded ones: its steps "
+                    "would change nothing the model uses, and the model would not train. "
+                    f"Build the optimizer after {where}, from model.parameters()"
+                )
 
 
 def _before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
     _put_back(optimizer)  # a step that raised left its changes in place
+    if _REPLACED:
+        _refuse_replaced(optimizer)
     for holder, where in list(_WATCHED.values()):
         if not holder.holds_parameters_of(optimizer):
             continue

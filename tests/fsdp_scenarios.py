@@ -495,4 +495,19 @@ def setup_patterns(transport) -> dict:
     for layer in (mine[0], mine[2]):
         fully_shard(layer, mesh=_mesh()["shard"])
     got["blocks sharded already"] = outcome(lambda: hybrid_shard(mine, _mesh(), params, units=[]))
+    for shard in (lambda m: hybrid_shard(m, _mesh(), params), lambda m: flat_shard(m, params)):
+        model = _model()
+        early = torch.optim.SGD(model.parameters(), lr=0.1)
+        sync = shard(model)
+        model(_batch(transport.rank, 0)).pow(2).sum().backward()
+        try:
+            early.step()
+            got.setdefault("optimizer built before", []).append("stepped")
+        except RuntimeError as exc:
+            got.setdefault("optimizer built before", []).append(str(exc))
+        before = _shards(model)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        got.setdefault("optimizer built after moves", []).append(
+            any(not torch.equal(a, b) for a, b in zip(before, _shards(model))))
+        del sync
     return got

@@ -186,10 +186,35 @@ def test_tied_weights_nested_units_and_blocks_sharded_already(launch):
     """Tied weights with the default units raised FSDP's 'shared parameter' error at the first
     forward; units given outer first raised DeviceMesh's 'overlapping meshes'; blocks the user
     had fully_shard'ed were left out of the synchronisation between replicas in silence (the
-    nodes drifted apart)."""
+    nodes drifted apart); an optimizer built before the sharding held the replaced parameters
+    and trained nothing in silence, and now its first step raises."""
     for got in launch("gloo", 4, "fsdp_scenarios.setup_patterns"):
         assert got["tied, default units"] == ["body", "<root>"]
         assert "units 'embed' and 'head' share a parameter (tied weights)" in \
             got["tied, both in units"]
         assert got["nested, outer first"] == ["0.0", "0", "<root>"]
         assert "0, 2 are fully_shard'ed already" in got["blocks sharded already"]
+        hybrid, flat = got["optimizer built before"]
+        assert "holds the parameters the model had before hybrid_shard" in hybrid
+        assert "Build the optimizer after flat_shard" in flat
+        assert got["optimizer built after moves"] == [True, True]
+
+
+def test_a_step_on_parameters_a_sharding_replaced_raises_and_the_mark_goes_with_them():
+    """The mark a sharding leaves on the parameters it replaced: any optimizer holding one
+    raises before its step changes anything; the others step; a freed parameter's mark goes."""
+    from spardl_grace import step_hooks
+    old, kept = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    step_hooks.mark_replaced(old.parameters(), "hybrid_shard")
+    stale = torch.optim.SGD([*kept.parameters(), *old.parameters()], lr=0.1)
+    fine = torch.optim.SGD(kept.parameters(), lr=0.1)
+    kept(torch.ones(1, 3)).sum().backward()
+    before = [p.clone() for p in kept.parameters()]
+    with pytest.raises(RuntimeError, match="before hybrid_shard, which fully_shard replaced"):
+        stale.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, kept.parameters()))
+    fine.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, kept.parameters()))
+    marked = {id(p) for p in old.parameters()}
+    del stale, old
+    assert not marked & set(step_hooks._REPLACED)
